@@ -1,0 +1,1 @@
+"""pask_local.calibration: the torch side (GGUF weights -> torch reference model -> policy file)."""

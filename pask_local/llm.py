@@ -1,0 +1,257 @@
+"""A thin, typed wrapper over llama.cpp's low-level C API (through ``llama_cpp.llama_cpp``).
+
+``Model`` owns a loaded GGUF (vocab, tokenization, metadata); ``Context`` owns a llama_context and
+decodes token batches at explicit positions/sequences, returning logits as numpy arrays. Every
+other module (engine, tagging, tests, benchmarks) goes through these two classes instead of
+touching ctypes directly. Errors surface as ``ModelError`` / ``NativeError`` with one-line messages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelError, NativeError
+
+_BACKEND_READY = False
+
+
+def _raw():
+    try:
+        import llama_cpp.llama_cpp as raw
+    except Exception as exc:
+        raise NativeError(f"cannot import llama_cpp ({exc}); run scripts/setup") from None
+    return raw
+
+
+def _init_backend(verbose: bool) -> None:
+    global _BACKEND_READY
+    raw = _raw()
+    if not _BACKEND_READY:
+        raw.llama_backend_init()
+        _BACKEND_READY = True
+    if not verbose:
+        _silence_logs()
+
+
+_LOG_CB = None
+
+
+def _silence_logs() -> None:
+    """Route llama.cpp's logging to nowhere (PASK_VERBOSE=1 keeps it)."""
+    global _LOG_CB
+    if os.environ.get("PASK_VERBOSE") or _LOG_CB is not None:
+        return
+    raw = _raw()
+
+    @raw.llama_log_callback
+    def _quiet(level, text, user_data):  # noqa: ARG001
+        return None
+
+    _LOG_CB = _quiet
+    raw.llama_log_set(_LOG_CB, ctypes.c_void_p())
+
+
+def default_threads() -> int:
+    return int(os.environ.get("PASK_THREADS", "0")) or max(1, os.cpu_count() or 1)
+
+
+class Model:
+    """A GGUF model loaded with llama.cpp (weights on CPU unless n_gpu_layers > 0)."""
+
+    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int = 0, verbose: bool = False) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        _init_backend(verbose)
+        raw = _raw()
+        params = raw.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self._ptr = raw.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._ptr:
+            raise ModelError(f"llama.cpp could not load {self.path} (not a supported GGUF model?)")
+        self.vocab = raw.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = raw.llama_vocab_n_tokens(self.vocab)
+        self.n_layer: int = raw.llama_model_n_layer(self._ptr)
+        self.n_ctx_train: int = raw.llama_model_n_ctx_train(self._ptr)
+        self.bos: int = raw.llama_vocab_bos(self.vocab)
+        self.eos: int = raw.llama_vocab_eos(self.vocab)
+        self._pieces: dict[int, bytes] = {}
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            _raw().llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+        raw = _raw()
+        buf = ctypes.create_string_buffer(4096)
+        n = raw.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    def chat_template(self) -> str | None:
+        raw = _raw()
+        tmpl = raw.llama_model_chat_template(self._ptr, None)
+        return tmpl.decode("utf-8", "replace") if tmpl else None
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        raw = _raw()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (raw.llama_token * cap)()
+        n = raw.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (raw.llama_token * cap)()
+            n = raw.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise NativeError("llama_tokenize failed")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = True) -> bytes:
+        """The raw bytes of one token (may be a partial UTF-8 sequence)."""
+        key = token if special else -1 - token
+        got = self._pieces.get(key)
+        if got is None:
+            raw = _raw()
+            buf = ctypes.create_string_buffer(64)
+            n = raw.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = raw.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+            got = buf.raw[:n]
+            self._pieces[key] = got
+        return got
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_raw().llama_vocab_is_eog(self.vocab, token))
+
+
+@dataclass
+class ContextConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    flash_attn: bool = False
+    n_threads: int = 0          # 0: PASK_THREADS or all cores
+    embeddings: bool = False
+
+
+class Context:
+    """A llama_context over a Model; decodes token batches and exposes logits."""
+
+    def __init__(self, model: Model, config: ContextConfig | None = None, ptr=None) -> None:
+        """Create a standard context, or adopt ``ptr`` created elsewhere (e.g. a layered-cache ctx)."""
+        raw = _raw()
+        self.model = model
+        self.config = config or ContextConfig()
+        if ptr is None:
+            ptr = raw.llama_init_from_model(model.ptr, self.params())
+        if not ptr:
+            raise NativeError("llama.cpp could not create a context (out of memory or bad parameters)")
+        self._ptr = ptr
+        self.n_ctx: int = raw.llama_n_ctx(ptr)
+        self._batch = raw.llama_batch_init(max(1, self.config.n_batch), 0, max(1, self.config.n_seq_max))
+
+    def params(self):
+        """llama_context_params for this config (also used by native extensions)."""
+        raw = _raw()
+        cfg = self.config
+        p = raw.llama_context_default_params()
+        p.n_ctx = cfg.n_ctx
+        p.n_batch = cfg.n_batch
+        p.n_ubatch = cfg.n_batch
+        p.n_seq_max = cfg.n_seq_max
+        threads = cfg.n_threads or default_threads()
+        p.n_threads = threads
+        p.n_threads_batch = threads
+        p.embeddings = cfg.embeddings
+        p.flash_attn_type = 1 if cfg.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
+        return p
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    @property
+    def memory(self):
+        return _raw().llama_get_memory(self._ptr)
+
+    def close(self) -> None:
+        raw = _raw()
+        if getattr(self, "_batch", None) is not None:
+            raw.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ptr", None):
+            raw.llama_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def decode(self, tokens: Sequence[int], pos0: int, seq_id: int = 0, logits: str = "last") -> int:
+        """Decode ``tokens`` at positions pos0.. in ``seq_id``; returns llama_decode's status.
+
+        ``logits``: "last" (only the last token), "all", or "none". Batches larger than n_batch are
+        split. A non-zero status (e.g. 1: no KV slot) is returned, not raised.
+        """
+        raw = _raw()
+        n_batch = self.config.n_batch
+        status = 0
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            b = self._batch
+            b.n_tokens = len(chunk)
+            last_chunk = start + n_batch >= len(tokens)
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = pos0 + start + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq_id
+                want = logits == "all" or (logits == "last" and last_chunk and i == len(chunk) - 1)
+                b.logits[i] = 1 if want else 0
+            status = raw.llama_decode(self._ptr, b)
+            if status != 0:
+                return status
+        return status
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output row ``i`` (-1: the last output) as a float32 numpy view copy."""
+        raw = _raw()
+        ptr = raw.llama_get_logits_ith(self._ptr, i)
+        if not ptr:
+            raise NativeError(f"no logits for output {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Upstream llama_memory_seq_rm: drop positions [p0, p1) of seq_id (p1 < 0: to the end)."""
+        return bool(_raw().llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def clear(self) -> None:
+        _raw().llama_memory_clear(self.memory, True)

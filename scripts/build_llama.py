@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Build and install pask-local's patched llama-cpp-python wheel, reproducibly and cached.
+
+Steps (each fails loudly with a one-line reason):
+1. fetch the sdist of llama-cpp-python at the pinned version with pip and check its sha256;
+2. extract it and apply every ``patches/*.patch`` in name order (``patch -p1``), copy
+   ``ggml_kernels/`` into the tree as ``vendor/llama.cpp/pask_kernels``;
+3. sync the result into a persistent source tree (only changed files are touched, so the
+   persistent CMake build dir rebuilds incrementally) and build a wheel with portable CPU flags
+   (GGML_NATIVE=OFF, explicit AVX2/FMA/F16C[/AVX512], never AMX) or ``--cuda``;
+4. cache the wheel under a key (sdist sha256, hash of patches/ + ggml_kernels/, flags) and
+   install it into the running interpreter's environment. An unchanged tree never rebuilds.
+
+Standard library only: it runs before anything else is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PINNED_VERSION = "0.3.36"
+PINNED_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_INFO_NAME = "pask_build.json"
+
+# Targets Python never loads: skipping them cuts the build roughly in half.
+SKIP_FLAGS = [
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_CURL=OFF",
+]
+# AMX kernels segfault on quantized models on the AMX Xeons we run on: always off.
+NO_AMX = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message is one line meant for the user."""
+
+
+class PatchError(BuildError):
+    """A patch of the series does not apply."""
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    sdist_sha256: str
+    series_hash: str
+    flags: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        h = hashlib.sha256()
+        h.update(self.sdist_sha256.encode())
+        h.update(self.series_hash.encode())
+        h.update("\0".join(self.flags).encode())
+        return h.hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PASK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pask-local"
+    )
+    return Path(root)
+
+
+def _series_files(repo: Path) -> list[Path]:
+    files: list[Path] = []
+    for sub in ("patches", "ggml_kernels"):
+        d = repo / sub
+        if d.is_dir():
+            files += [p for p in sorted(d.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    return files
+
+
+def series_hash(repo: Path = REPO_ROOT) -> str:
+    """sha256 (first 16 hex digits) over the relative paths and bytes of patches/ and ggml_kernels/."""
+    h = hashlib.sha256()
+    for p in _series_files(repo):
+        h.update(p.relative_to(repo).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def host_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags
+
+
+def cpu_flags(avx512: bool) -> list[str]:
+    flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
+    flags.append("-DGGML_AVX512=ON" if avx512 else "-DGGML_AVX512=OFF")
+    return flags + NO_AMX
+
+
+def cuda_flags(toolkit_roots: list[Path] | None = None) -> list[str]:
+    """CMake flags for a CUDA build; BuildError when nvcc or the cuBLAS headers are missing.
+
+    ``toolkit_roots``: where to look for include/cublas_v2.h besides nvcc's own toolkit
+    (default: $CUDA_HOME and /usr/local/cuda*).
+    """
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise BuildError("--cuda needs nvcc on PATH (install the CUDA toolkit)")
+    if toolkit_roots is None:
+        toolkit_roots = [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")), *Path("/usr/local").glob("cuda*")]
+    roots = [Path(nvcc).resolve().parent.parent, *toolkit_roots]
+    headers = [r / "include" / "cublas_v2.h" for r in roots]
+    headers += [h for r in roots for h in r.glob("targets/*/include/cublas_v2.h")]
+    if not any(h.is_file() for h in headers):
+        raise BuildError(
+            "--cuda needs the cuBLAS headers (cublas_v2.h not found next to "
+            f"{nvcc}); install libcublas-dev / the CUDA toolkit's cuBLAS component"
+        )
+    return ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", *NO_AMX]
+
+
+def make_plan(cuda: bool, avx512: bool | None = None, repo: Path = REPO_ROOT) -> BuildPlan:
+    series = series_hash(repo)
+    if avx512 is None:
+        avx512 = host_has_avx512()
+    flags = cuda_flags() if cuda else cpu_flags(avx512)
+    flags = [*flags, *SKIP_FLAGS, f"-DPASK_PATCH_SERIES={series}"]
+    return BuildPlan(PINNED_SHA256, series, tuple(flags))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_sdist(dest: Path) -> Path:
+    """The pinned sdist, downloaded once with pip and verified against PINNED_SHA256."""
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / f"llama_cpp_python-{PINNED_VERSION}.tar.gz"
+    if not target.is_file():
+        log(f"downloading llama-cpp-python=={PINNED_VERSION} sdist")
+        tmp = Path(tempfile.mkdtemp(dir=dest))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--no-build-isolation", "-q", f"llama-cpp-python=={PINNED_VERSION}", "-d", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = list(tmp.glob("*.tar.gz"))
+        if proc.returncode != 0 or not got:
+            raise BuildError(f"could not download the llama-cpp-python sdist: {_last_line(proc.stderr)}")
+        got[0].replace(target)
+        shutil.rmtree(tmp, ignore_errors=True)
+    digest = sha256_file(target)
+    if digest != PINNED_SHA256:
+        target.unlink()
+        raise BuildError(f"sdist sha256 mismatch: got {digest}, pinned {PINNED_SHA256}")
+    return target
+
+
+def extract_sdist(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        tar.extractall(into, filter="tar")
+    roots = [p for p in into.iterdir() if p.is_dir()]
+    if len(roots) != 1:
+        raise BuildError(f"unexpected sdist layout in {sdist.name}")
+    return roots[0]
+
+
+def apply_patches(tree: Path, patches_dir: Path) -> list[str]:
+    """Apply patches_dir/*.patch in name order; PatchError names the first that fails."""
+    applied = []
+    for patch in sorted(patches_dir.glob("*.patch")):
+        proc = subprocess.run(
+            ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-i", str(patch)],
+            cwd=tree, capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            detail = _last_line(proc.stdout + proc.stderr)
+            raise PatchError(f"patch {patch.name} does not apply: {detail}")
+        applied.append(patch.name)
+    return applied
+
+
+def sync_tree(src: Path, dst: Path) -> int:
+    """Make dst a copy of src touching only files whose bytes differ; return how many changed."""
+    changed = 0
+    dst.mkdir(parents=True, exist_ok=True)
+    wanted: set[Path] = set()
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        wanted.add(rel)
+        out = dst / rel
+        if path.is_dir() and not path.is_symlink():
+            out.mkdir(exist_ok=True)
+            continue
+        if out.is_file() and not out.is_symlink() and path.stat().st_size == out.stat().st_size:
+            if path.read_bytes() == out.read_bytes():
+                continue
+        if out.is_dir() and not out.is_symlink():
+            shutil.rmtree(out)
+        elif out.exists() or out.is_symlink():
+            out.unlink()
+        shutil.copy2(path, out, follow_symlinks=False)
+        changed += 1
+    for path in sorted(dst.rglob("*"), reverse=True):
+        if path.relative_to(dst) not in wanted:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            changed += 1
+    return changed
+
+
+def installed_build_info() -> dict | None:
+    """The pask_build.json of the llama_cpp importable by this interpreter, if any."""
+    code = (
+        "import importlib.util,pathlib,sys;s=importlib.util.find_spec('llama_cpp');"
+        f"p=pathlib.Path(s.origin).parent/'{BUILD_INFO_NAME}' if s else None;"
+        "sys.stdout.write(p.read_text() if p and p.is_file() else '')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    try:
+        return json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path:
+    wheel_dir = cache / "wheels" / plan.key
+    wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+    if wheels:
+        log(f"cached wheel {plan.key}")
+        return wheels[0]
+    sdist = fetch_sdist(cache / "sdist")
+    flavour = "cuda" if "-DGGML_CUDA=ON" in plan.flags else "cpu"
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        staged = extract_sdist(sdist, Path(tmp))
+        names = apply_patches(staged, repo / "patches")
+        log(f"applied {len(names)} patch(es): {', '.join(names) or '-'}")
+        kernels = repo / "ggml_kernels"
+        if kernels.is_dir():
+            shutil.copytree(kernels, staged / "vendor" / "llama.cpp" / "pask_kernels",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        info = {"key": plan.key, "series": plan.series_hash, "sdist_sha256": plan.sdist_sha256,
+                "flags": list(plan.flags), "patches": names, "version": PINNED_VERSION}
+        (staged / "llama_cpp" / BUILD_INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
+        tree = cache / "src" / f"{plan.sdist_sha256[:12]}-{flavour}"
+        changed = sync_tree(staged, tree)
+        log(f"source tree {tree} ({changed} file(s) changed)")
+    build_dir = cache / "build" / f"{plan.sdist_sha256[:12]}-{flavour}"
+    out = Path(tempfile.mkdtemp(dir=cache))
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = " ".join([*plan.flags, "-DCMAKE_BUILD_TYPE=Release"])
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
+           "-C", f"build-dir={build_dir}", "-C", "cmake.build-type=Release", str(tree)]
+    log(f"building wheel ({flavour}; a full build takes 6-15 min on 2 cores, incremental ~2 min)")
+    logfile = cache / "build.log"
+    with open(logfile, "w") as lf:
+        proc = subprocess.run(cmd, env=env, stdout=None if verbose else lf, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "" if verbose else _last_error(logfile)
+        raise BuildError(f"wheel build failed (log: {logfile}){': ' + tail if tail else ''}")
+    built = sorted(out.glob("*.whl"))
+    if not built:
+        raise BuildError(f"pip wheel produced no wheel (log: {logfile})")
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    final = wheel_dir / built[0].name
+    built[0].replace(final)
+    shutil.rmtree(out, ignore_errors=True)
+    return final
+
+
+def ensure_build_backend() -> None:
+    probe = subprocess.run([sys.executable, "-c", "import scikit_build_core"], capture_output=True)
+    if probe.returncode != 0:
+        log("installing scikit-build-core (build backend)")
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "scikit-build-core>=0.9.2"])
+        if proc.returncode != 0:
+            raise BuildError("could not install scikit-build-core")
+
+
+def install(cuda: bool = False, force: bool = False, verbose: bool = False,
+            repo: Path = REPO_ROOT) -> Path | None:
+    """Ensure the patched wheel for the current tree is built, cached and installed."""
+    plan = make_plan(cuda, repo=repo)
+    current = installed_build_info()
+    if not force and current and current.get("key") == plan.key:
+        log(f"patched llama-cpp-python up to date (series {plan.series_hash}, key {plan.key})")
+        return None
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_build_backend()
+        wheel = build_wheel(plan, repo, cache, verbose)
+        log(f"installing {wheel.name}")
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                               "--force-reinstall", str(wheel)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"pip could not install {wheel}: {_last_line(proc.stderr)}")
+    log(f"installed patched llama-cpp-python (series {plan.series_hash}, key {plan.key})")
+    return wheel
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _last_error(logfile: Path) -> str:
+    lines = logfile.read_text(errors="replace").splitlines()
+    errs = [ln.strip() for ln in lines if "error" in ln.lower()]
+    return (errs[0] if errs else _last_line("\n".join(lines)))[:300]
+
+
+def log(msg: str) -> None:
+    print(f"[build_llama] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cuda", action="store_true", help="build with GGML_CUDA=ON (needs nvcc + cuBLAS)")
+    ap.add_argument("--force", action="store_true", help="reinstall even when the installed build matches")
+    ap.add_argument("--verbose", action="store_true", help="stream the compiler output")
+    ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    args = ap.parse_args(argv)
+    try:
+        if args.print_key:
+            print(make_plan(args.cuda).key)
+            return 0
+        install(cuda=args.cuda, force=args.force, verbose=args.verbose)
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The patch pipeline of scripts/build_llama.py: patches apply in order, a broken one is named,
+the cache key follows patches/ and flags, and the installed libllama carries the series hash."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def pristine_tree(build_script, tmp_path_factory) -> Path:
+    sdist = build_script.fetch_sdist(build_script.cache_dir() / "sdist")
+    return build_script.extract_sdist(sdist, tmp_path_factory.mktemp("sdist"))
+
+
+def _copy_series(src: Path, dst: Path) -> Path:
+    for sub in ("patches", "ggml_kernels"):
+        if (src / sub).is_dir():
+            shutil.copytree(src / sub, dst / sub)
+    return dst
+
+
+def test_series_applies_on_the_pinned_sdist(build_script, pristine_tree, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree, symlinks=True)
+    applied = build_script.apply_patches(tree, REPO / "patches")
+    assert applied == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
+    assert applied[0] == "0001-pask-version.patch"
+    header = (tree / "vendor" / "llama.cpp" / "include" / "pask.h").read_text()
+    assert "pask_patch_version" in header
+
+
+def test_broken_patch_is_named(build_script, pristine_tree, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree, symlinks=True)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    good = (REPO / "patches" / "0001-pask-version.patch").read_text()
+    (patches / "0001-pask-version.patch").write_text(good)
+    # A patch whose context does not exist upstream.
+    broken = good.replace("    unicode.cpp\n", "    unicode-that-does-not-exist.cpp\n")
+    broken = broken.replace("pask-version.cpp", "pask-other.cpp").replace("include/pask.h", "include/pask2.h")
+    (patches / "0002-broken.patch").write_text(broken)
+    with pytest.raises(build_script.PatchError, match="0002-broken.patch does not apply"):
+        build_script.apply_patches(tree, patches)
+
+
+def test_cache_key_follows_patches_and_flags(build_script, tmp_path):
+    repo = _copy_series(REPO, tmp_path / "repo")
+    base = build_script.make_plan(cuda=False, avx512=True, repo=repo)
+    assert base.key == build_script.make_plan(cuda=False, avx512=True, repo=repo).key
+    assert base.key != build_script.make_plan(cuda=False, avx512=False, repo=repo).key
+    p = repo / "patches" / "0001-pask-version.patch"
+    p.write_text(p.read_text() + "\n")
+    changed = build_script.make_plan(cuda=False, avx512=True, repo=repo)
+    assert changed.series_hash != base.series_hash
+    assert changed.key != base.key
+    (repo / "ggml_kernels").mkdir(exist_ok=True)
+    (repo / "ggml_kernels" / "new-op.c").write_text("/* kernel */\n")
+    assert build_script.make_plan(cuda=False, avx512=True, repo=repo).key != changed.key
+
+
+def test_portable_flags_never_enable_amx(build_script):
+    for avx512 in (True, False):
+        flags = build_script.make_plan(cuda=False, avx512=avx512).flags
+        assert "-DGGML_NATIVE=OFF" in flags
+        assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
+        assert not any("AMX" in f and f.endswith("=ON") for f in flags)
+
+
+def test_sync_tree_touches_only_changed_files(build_script, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.c").write_text("x")
+    (src / "y.c").write_text("y")
+    assert build_script.sync_tree(src, dst) == 2
+    before = (dst / "a" / "x.c").stat().st_mtime_ns
+    (src / "y.c").write_text("y2")
+    (dst / "stale.c").write_text("old")
+    assert build_script.sync_tree(src, dst) == 2  # y.c rewritten, stale.c removed
+    assert (dst / "a" / "x.c").stat().st_mtime_ns == before
+    assert (dst / "y.c").read_text() == "y2"
+    assert not (dst / "stale.c").exists()
+
+
+def test_cuda_without_cublas_fails_clearly(build_script, monkeypatch, tmp_path):
+    fake = tmp_path / "cuda" / "bin"
+    fake.mkdir(parents=True)
+    nvcc = fake / "nvcc"
+    nvcc.write_text("#!/bin/sh\nexit 0\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake))
+    with pytest.raises(build_script.BuildError, match="cuBLAS"):
+        build_script.cuda_flags(toolkit_roots=[])
+    (tmp_path / "cuda" / "include").mkdir()
+    (tmp_path / "cuda" / "include" / "cublas_v2.h").write_text("")
+    assert "-DGGML_CUDA=ON" in build_script.cuda_flags(toolkit_roots=[])
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(build_script.BuildError, match="nvcc"):
+        build_script.cuda_flags(toolkit_roots=[])
+
+
+def test_installed_libllama_reports_the_series_hash(build_script):
+    from pask_local import native
+
+    assert native.patch_version() == build_script.series_hash(REPO)
+    info = native.build_info()
+    assert info["series"] == build_script.series_hash(REPO)
+    assert info["patches"] == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
