@@ -8,10 +8,10 @@ spans of different classes it takes the *more protective* one, i.e. the one that
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class StructuralClass(str, Enum):
+class StructuralClass(StrEnum):
     # --- prompt side ---
     SINK = "sink"                      # first tokens / BOS (attention sinks)
     TEMPLATE = "template"              # chat-template and role tokens, fixed instructions

@@ -73,29 +73,16 @@ def _register_optional_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: runs the typer app with one-line errors."""
+    """Console-script entry point: runs the typer app; PaskError -> one line on stderr, exit 1."""
     _register_optional_commands()
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv)
     except PaskError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            err.print(f"[bold red]error:[/] {exc.format_message()}", highlight=False, soft_wrap=True)
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
-        raise
 
 
 def dump_json(obj: object) -> str:

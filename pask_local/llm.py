@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -163,13 +164,21 @@ class ContextConfig:
 class Context:
     """A llama_context over a Model; decodes token batches and exposes logits."""
 
-    def __init__(self, model: Model, config: ContextConfig | None = None, ptr=None) -> None:
-        """Create a standard context, or adopt ``ptr`` created elsewhere (e.g. a layered-cache ctx)."""
+    def __init__(self, model: Model, config: ContextConfig | None = None, ptr=None,
+                 configure: Callable[[Any], None] | None = None) -> None:
+        """Create a standard context, or adopt ``ptr`` created elsewhere (e.g. a layered-cache ctx).
+
+        ``configure`` may edit the llama_context_params before creation (e.g. install an eval
+        callback such as ``AttentionProbe.install``).
+        """
         raw = _raw()
         self.model = model
         self.config = config or ContextConfig()
         if ptr is None:
-            ptr = raw.llama_init_from_model(model.ptr, self.params())
+            params = self.params()
+            if configure is not None:
+                configure(params)
+            ptr = raw.llama_init_from_model(model.ptr, params)
         if not ptr:
             raise NativeError("llama.cpp could not create a context (out of memory or bad parameters)")
         self._ptr = ptr

@@ -1,0 +1,87 @@
+"""Attention statistics from our native probe (patch 0004), for score-based baselines.
+
+``AttentionProbe`` owns a ``pask_attn_probe``; ``install(params)`` puts its eval callback into a
+``llama_context_params`` before the context is created (flash attention must be off). After each
+decode, ``stat(il, what)`` returns, per KV cell (column) of layer ``il``, the attention mass summed
+over queries and heads (``SUM``), over the last ``n_window`` queries (``WINDOW``), or the last
+query's attention averaged over heads (``LAST``). The callback runs natively: no Python per tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .errors import NativeError
+from .native import bind
+
+SUM, WINDOW, LAST = 0, 1, 2
+
+
+class _Fns:
+    def __init__(self) -> None:
+        p = ctypes.c_void_p
+        self.init = bind("pask_attn_probe_init", p, [ctypes.c_int32, ctypes.c_int32])
+        self.free = bind("pask_attn_probe_free", None, [p])
+        self.reset = bind("pask_attn_probe_reset", None, [p])
+        self.n_kv = bind("pask_attn_probe_n_kv", ctypes.c_int32, [p, ctypes.c_int32])
+        self.get = bind("pask_attn_probe_get", ctypes.c_int32,
+                        [p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32])
+        from .native import lib
+
+        self.cb_addr = ctypes.cast(lib().pask_attn_probe_cb, ctypes.c_void_p).value
+
+
+_FNS: _Fns | None = None
+
+
+def _fns() -> _Fns:
+    global _FNS
+    if _FNS is None:
+        _FNS = _Fns()
+    return _FNS
+
+
+class AttentionProbe:
+    def __init__(self, n_layer: int, n_window: int = 32) -> None:
+        self._f = _fns()
+        self.n_layer = n_layer
+        self._ptr = self._f.init(n_layer, n_window)
+        if not self._ptr:
+            raise NativeError(f"pask_attn_probe_init({n_layer}, {n_window}) failed")
+
+    def install(self, params) -> None:
+        """Set cb_eval/cb_eval_user_data of a llama_context_params; forces flash attention off."""
+        import llama_cpp.llama_cpp as raw
+
+        params.cb_eval = raw.ggml_backend_sched_eval_callback(self._f.cb_addr)
+        params.cb_eval_user_data = self._ptr
+        params.flash_attn_type = raw.LLAMA_FLASH_ATTN_TYPE_DISABLED
+
+    def reset(self) -> None:
+        self._f.reset(self._ptr)
+
+    def n_kv(self, il: int) -> int:
+        n = self._f.n_kv(self._ptr, il)
+        if n < 0:
+            raise NativeError(f"attention probe: bad layer {il}")
+        return n
+
+    def stat(self, il: int, what: int = SUM) -> np.ndarray:
+        n = self.n_kv(il)
+        out = np.zeros(n, dtype=np.float32)
+        if n:
+            self._f.get(self._ptr, il, what, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._f.free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,21 @@
+"""KV-persistence methods: PASK and the baselines, each a small class with one selection rule."""
+
+from __future__ import annotations
+
+from .base import LayerView, Method
+from .full import FullKV
+from .h2o import H2O
+from .pask import PASK
+from .pyramidkv import PyramidKV
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
+from .tova import TOVA
+
+BASELINES: dict[str, type[Method]] = {
+    "full": FullKV, "streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV,
+    "pyramidkv": PyramidKV, "tova": TOVA,
+}
+METHOD_NAMES = (*BASELINES, "pask")
+
+__all__ = ["BASELINES", "METHOD_NAMES", "H2O", "PASK", "TOVA", "FullKV", "LayerView", "Method",
+           "PyramidKV", "SnapKV", "StreamingLLM"]

@@ -1,0 +1,55 @@
+"""The KV-persistence method interface: each method is a small class with one selection rule.
+
+The engine owns the cache and the bookkeeping; a method only answers two questions for one layer:
+which of the held positions to keep when the layer must shrink to ``capacity`` (``select``), and
+what each layer's capacity is for a given budget (``capacities``). Positions are token positions;
+``LayerView`` carries everything a rule may look at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class LayerView:
+    layer: int
+    n_layer: int
+    positions: np.ndarray            # int64 [n] positions held in this layer (any order)
+    classes: np.ndarray              # int64 [n] StructuralClass index of each held position
+    scores: np.ndarray | None = None  # float64 [n] method-specific attention statistic, if any
+    prompt_len: int = 0              # tokens in the prompt (positions < prompt_len are prompt)
+    all_classes: np.ndarray | None = None  # int64 [now+1] class index of every position so far
+
+
+class Method:
+    """Base class: a uniform capacity of ``budget`` x visible tokens in every layer."""
+
+    name = "base"
+    needs_attention = False          # True: the engine must collect attention statistics
+    compress_after_prefill = False   # True: the prompt is prefilled whole, then compressed once
+
+    def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
+        """KV cells each layer may hold for a sequence whose tokens have these classes."""
+        cap = max(1, math.ceil(budget * len(classes)))
+        return [cap] * n_layer
+
+    def select(self, view: LayerView, capacity: int) -> np.ndarray:
+        """Positions (subset of view.positions) to keep, at most ``capacity`` of them."""
+        raise NotImplementedError
+
+
+def top_k_positions(positions: np.ndarray, scores: np.ndarray, k: int, protect: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """The k positions with the highest scores (ties: newer first); ``protect`` ones always kept."""
+    k = max(0, min(k, len(positions)))
+    if protect is None:
+        protect = np.zeros(len(positions), dtype=bool)
+    forced = positions[protect]
+    rest = ~protect
+    room = max(0, k - len(forced))
+    order = np.lexsort((-positions[rest], -scores[rest]))
+    return np.sort(np.concatenate([forced, positions[rest][order[:room]]]))

@@ -1,0 +1,74 @@
+"""PASK: keep, per layer group, each structural class's share given by a compiled policy.
+
+Within a group g, class c keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in
+the policy's ``never_evict`` keep all); within a class the oldest go first. If rounding leaves the
+layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up their oldest
+tokens first; if it leaves room, the most protective evicted tokens come back (newest first).
+Only this lookup runs online: no attention statistics are needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..classes import PROTECTION_ORDER, StructuralClass, class_index
+from ..policy import CompiledPolicy, Policy, compile_policy
+from .base import LayerView, Method
+
+_ALL = list(StructuralClass)
+_RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> protection rank
+
+
+class PASK(Method):
+    name = "pask"
+
+    def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0) -> None:
+        self.policy = policy
+        self.swa_layers = swa_layers
+        self.window = window
+        self.group_of = policy.group_of_layer()
+        self.compiled: CompiledPolicy | None = None
+
+    def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
+        counts = np.bincount(classes, minlength=len(_ALL))
+        self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
+                                       self.swa_layers, self.window)
+        return self.compiled
+
+    def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
+        self.policy.check_model(n_layer)
+        return list(self.compile(budget, classes).layer_capacity)
+
+    def select(self, view: LayerView, capacity: int) -> np.ndarray:
+        if self.compiled is None:
+            raise RuntimeError("PASK.select before capacities()/compile()")
+        pos, cls = view.positions, view.classes
+        if len(pos) <= capacity:
+            return np.sort(pos)
+        keep_frac = self.compiled.keep[self.group_of[view.layer]]
+        totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
+        kept = np.zeros(len(pos), dtype=bool)
+        for ci in np.unique(cls):
+            members = np.flatnonzero(cls == ci)
+            c = _ALL[ci]
+            want = len(members) if c in self.policy.never_evict else math.ceil(keep_frac[c] * totals[ci] - 1e-9)
+            want = min(want, len(members))
+            if want:
+                newest = members[np.argsort(pos[members])[-want:]]
+                kept[newest] = True
+        # rank: protection rank, then age (older = evicted first / restored last)
+        if kept.sum() > capacity:
+            idx = np.flatnonzero(kept)
+            order = np.lexsort((pos[idx], -_RANK[cls[idx]]))  # least protective, oldest first
+            kept[idx[order[: kept.sum() - capacity]]] = False
+        elif kept.sum() < capacity:
+            idx = np.flatnonzero(~kept)
+            order = np.lexsort((-pos[idx], _RANK[cls[idx]]))  # most protective, newest first
+            kept[idx[order[: capacity - kept.sum()]]] = True
+        return np.sort(pos[kept])
+
+
+def class_indices(classes: list[StructuralClass]) -> np.ndarray:
+    return np.array([class_index(c) for c in classes], dtype=np.int64)

@@ -1,0 +1,150 @@
+"""The persistence policy file: a versioned JSON document, loaded and validated here.
+
+A policy says, for each (layer group, structural class), a protection floor in [0, 1] (the minimum
+fraction of that class's tokens kept in that group) and a residual weight (how much of the capacity
+left after the floors that cell deserves per token). Layer groups are a partition of the model's
+layers, written out so a policy can be checked against a model. See docs/policy-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..classes import StructuralClass
+from ..errors import PaskError
+
+FORMAT_VERSION = 1
+KINDS = ("hand-written", "calibrated", "mapped")
+ORDERS = ("oldest-first", "newest-first", "attention-mass")
+
+
+class PolicyError(PaskError):
+    """A policy file is malformed or does not fit the model."""
+
+
+@dataclass
+class Policy:
+    groups: list[list[int]]
+    floors: list[dict[StructuralClass, float]]
+    weights: list[dict[StructuralClass, float]]
+    kind: str = "hand-written"
+    within_class_order: str = "oldest-first"
+    never_evict: tuple[StructuralClass, ...] = (StructuralClass.SINK,)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_layer(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.groups)
+
+    def group_of_layer(self) -> list[int]:
+        out = [0] * self.n_layer
+        for g, layers in enumerate(self.groups):
+            for il in layers:
+                out[il] = g
+        return out
+
+    def check_model(self, n_layer: int) -> None:
+        if self.n_layer != n_layer:
+            raise PolicyError(
+                f"policy covers {self.n_layer} layers but the model has {n_layer} "
+                "(use a policy for this model, or let pask-local map one by relative depth)"
+            )
+
+    # --- (de)serialisation ---
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "pask-policy",
+            "version": FORMAT_VERSION,
+            "kind": self.kind,
+            "n_layer": self.n_layer,
+            "groups": self.groups,
+            "within_class_order": self.within_class_order,
+            "never_evict": [c.value for c in self.never_evict],
+            "floors": [{c.value: v for c, v in f.items()} for f in self.floors],
+            "weights": [{c.value: v for c, v in w.items()} for w in self.weights],
+            "provenance": self.provenance,
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "policy") -> Policy:
+        if not isinstance(data, dict) or data.get("format") != "pask-policy":
+            raise PolicyError(f"{source}: not a pask policy (missing \"format\": \"pask-policy\")")
+        if data.get("version") != FORMAT_VERSION:
+            raise PolicyError(f"{source}: unsupported policy version {data.get('version')!r}")
+        kind = data.get("kind")
+        if kind not in KINDS:
+            raise PolicyError(f"{source}: kind must be one of {', '.join(KINDS)}")
+        groups = data.get("groups")
+        if not isinstance(groups, list) or not groups or not all(
+            isinstance(g, list) and g and all(isinstance(i, int) for i in g) for g in groups
+        ):
+            raise PolicyError(f"{source}: groups must be a non-empty list of non-empty layer lists")
+        flat = sorted(i for g in groups for i in g)
+        if flat != list(range(len(flat))):
+            raise PolicyError(f"{source}: groups must partition layers 0..{len(flat) - 1} exactly once")
+        if data.get("n_layer", len(flat)) != len(flat):
+            raise PolicyError(f"{source}: n_layer {data.get('n_layer')} disagrees with groups ({len(flat)})")
+        order = data.get("within_class_order", "oldest-first")
+        if order not in ORDERS:
+            raise PolicyError(f"{source}: within_class_order must be one of {', '.join(ORDERS)}")
+        floors = _class_tables(data.get("floors"), len(groups), source, "floors", upper=1.0)
+        weights = _class_tables(data.get("weights"), len(groups), source, "weights", upper=None)
+        never = tuple(_cls(v, source, "never_evict") for v in data.get("never_evict", ["sink"]))
+        return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
+                   never_evict=never, provenance=dict(data.get("provenance", {})))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise PolicyError(f"policy file not found: {p}") from None
+        except json.JSONDecodeError as exc:
+            raise PolicyError(f"{p}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_json(data, source=str(p))
+
+
+def _cls(value: Any, source: str, where: str) -> StructuralClass:
+    try:
+        return StructuralClass(value)
+    except ValueError:
+        raise PolicyError(f"{source}: unknown structural class {value!r} in {where}") from None
+
+
+def _class_tables(raw: Any, n_groups: int, source: str, name: str,
+                  upper: float | None) -> list[dict[StructuralClass, float]]:
+    if not isinstance(raw, list) or len(raw) != n_groups:
+        raise PolicyError(f"{source}: {name} must be a list with one table per group ({n_groups})")
+    tables = []
+    for g, table in enumerate(raw):
+        if not isinstance(table, dict):
+            raise PolicyError(f"{source}: {name}[{g}] must be an object class -> number")
+        out: dict[StructuralClass, float] = {}
+        for key, value in table.items():
+            c = _cls(key, source, f"{name}[{g}]")
+            if not isinstance(value, (int, float)) or value < 0 or (upper is not None and value > upper):
+                bound = f"[0, {upper}]" if upper is not None else ">= 0"
+                raise PolicyError(f"{source}: {name}[{g}][{key}] = {value!r} must be a number in {bound}")
+            out[c] = float(value)
+        for c in StructuralClass:
+            out.setdefault(c, 0.0)
+        tables.append(out)
+    return tables
+
+
+def contiguous_groups(n_layer: int, n_groups: int = 4) -> list[list[int]]:
+    """Split layers 0..n_layer-1 into n_groups contiguous groups of near-equal size."""
+    n_groups = max(1, min(n_groups, n_layer))
+    bounds = [round(i * n_layer / n_groups) for i in range(n_groups + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(n_groups)]

@@ -1,0 +1,107 @@
+"""Selection rules of PASK and the baselines, on hand-built layer views (scores given directly)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pask_local.classes import StructuralClass as C
+from pask_local.classes import class_index
+from pask_local.methods import H2O, PASK, TOVA, FullKV, LayerView, PyramidKV, SnapKV, StreamingLLM
+from pask_local.methods.snapkv import pool_scores
+from pask_local.policy import Policy, contiguous_groups
+
+RNG = np.random.default_rng(7)
+
+
+def view(n: int, scores=None, classes=None, layer: int = 0, prompt_len: int | None = None) -> LayerView:
+    pos = RNG.permutation(n)  # held positions arrive in arbitrary (cell) order
+    cls = np.zeros(n, dtype=np.int64) if classes is None else np.asarray(classes)[pos]
+    sc = None if scores is None else np.asarray(scores, dtype=float)[pos]
+    return LayerView(layer=layer, n_layer=4, positions=pos, classes=cls, scores=sc,
+                     prompt_len=n if prompt_len is None else prompt_len,
+                     all_classes=None if classes is None else np.asarray(classes))
+
+
+def test_full_keeps_everything():
+    v = view(50)
+    assert FullKV().select(v, 10).tolist() == list(range(50))
+    assert FullKV().capacities(0.3, np.zeros(50, dtype=np.int64), 3) == [50, 50, 50]
+
+
+def test_streaming_keeps_exactly_sinks_and_window():
+    kept = StreamingLLM(n_sink=4).select(view(100), 20)
+    assert kept.tolist() == [0, 1, 2, 3, *range(84, 100)]
+
+
+def test_h2o_keeps_heavy_hitters_and_recent():
+    scores = np.zeros(100)
+    scores[[5, 17, 33, 42, 60]] = [9, 8, 7, 6, 5]
+    kept = H2O(recent_ratio=0.5).select(view(100, scores), 10)
+    assert set(kept.tolist()) == {5, 17, 33, 42, 60, *range(95, 100)}
+
+
+def test_snapkv_keeps_window_and_top_pooled_scores():
+    n, window, cap = 200, 16, 40
+    scores = RNG.random(n)
+    v = view(n, scores, prompt_len=n)
+    kept = SnapKV(window=window, kernel=5).select(v, cap)
+    # independent computation of the expected set
+    pooled = np.convolve(np.pad(scores, (2, 2), mode="edge"), np.ones(5) / 5, mode="valid")
+    cand = np.arange(n - window)
+    top = cand[np.argsort(-pooled[: n - window], kind="stable")[: cap - window]]
+    assert set(kept.tolist()) == set(top.tolist()) | set(range(n - window, n))
+    assert len(kept) == cap
+
+
+def test_pool_scores_is_order_independent():
+    pos = np.array([3, 0, 2, 1])
+    s = np.array([4.0, 1.0, 3.0, 2.0])
+    out = pool_scores(pos, s, 3)
+    assert out[pos.tolist().index(0)] == pytest.approx((1 + 1 + 2) / 3)
+    assert out[pos.tolist().index(2)] == pytest.approx((2 + 3 + 4) / 3)
+
+
+def test_pyramid_capacities_decrease_and_keep_total():
+    caps = PyramidKV().capacities(0.33, np.zeros(1000, dtype=np.int64), 18)
+    assert all(a >= b for a, b in zip(caps, caps[1:], strict=False)) and caps[0] > caps[-1]
+    assert sum(caps) == pytest.approx(0.33 * 1000 * 18, rel=0.01)
+    big = PyramidKV().capacities(0.9, np.zeros(100, dtype=np.int64), 6)
+    assert max(big) <= 100 and sum(big) == pytest.approx(0.9 * 600, rel=0.02)
+
+
+def test_tova_drops_lowest_current_attention_keeps_newest():
+    scores = np.linspace(1, 0, 30)
+    scores[29] = 0.0  # the newest token itself has low attention but stays
+    kept = TOVA().select(view(30, scores), 10)
+    assert kept.tolist() == [*range(9), 29]
+
+
+def _pask_policy(n_layer=4):
+    groups = contiguous_groups(n_layer, 2)
+    floors = [{c: 0.0 for c in C} for _ in groups]
+    weights = [{c: 0.0 for c in C} for _ in groups]
+    for g in range(2):
+        floors[g][C.QUERY] = 1.0
+        weights[g][C.DESCRIPTION] = 1.0
+    floors[1][C.DESCRIPTION] = 0.5
+    return Policy(groups=groups, floors=floors, weights=weights)
+
+
+def test_pask_keeps_protected_classes_and_oldest_go_first():
+    classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 60 + [class_index(C.QUERY)] * 19)
+    method = PASK(_pask_policy())
+    caps = method.capacities(0.4, classes, 4)
+    assert caps[0] == caps[1] and caps[2] == caps[3]
+    kept0 = method.select(view(80, classes=classes, layer=0), caps[0])
+    assert {0, *range(61, 80)} <= set(kept0.tolist())  # sink + whole query
+    desc = sorted(set(kept0.tolist()) & set(range(1, 61)))
+    assert desc == list(range(61 - len(desc), 61))  # the newest descriptions survive
+    assert len(kept0) == caps[0]
+    kept2 = method.select(view(80, classes=classes, layer=2), caps[2])
+    assert len(set(kept2.tolist()) & set(range(1, 61))) >= 30  # floor 0.5 in group 1
+
+
+def test_pask_rejects_policy_for_other_model():
+    with pytest.raises(Exception, match="4 layers but the model has 6"):
+        PASK(_pask_policy()).capacities(0.4, np.zeros(10, dtype=np.int64), 6)

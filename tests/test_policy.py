@@ -1,0 +1,126 @@
+"""Policy file validation and the budget compile step (floors first, then water-filling by weight)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pask_local.classes import StructuralClass as C
+from pask_local.policy import Policy, PolicyError, compile_policy, contiguous_groups
+from pask_local.policy.handwritten import handwritten_policy
+
+
+def _policy(floors: dict, weights: dict, n_layer: int = 8, n_groups: int = 2) -> Policy:
+    groups = contiguous_groups(n_layer, n_groups)
+    return Policy(groups=groups,
+                  floors=[{c: floors.get((g, c), 0.0) for c in C} for g in range(n_groups)],
+                  weights=[{c: weights.get((g, c), 0.0) for c in C} for g in range(n_groups)])
+
+
+COUNTS = {C.SINK: 2, C.QUERY: 20, C.DESCRIPTION: 100, C.SCHEMA_PUNCT: 60, C.TOOL_NAME: 8, C.PARAM_NAME: 10}
+
+
+def test_contiguous_groups_partition():
+    groups = contiguous_groups(18, 4)
+    sizes = [len(g) for g in groups]
+    assert len(sizes) == 4 and max(sizes) - min(sizes) <= 1
+    assert sorted(i for g in groups for i in g) == list(range(18))
+    assert all(b[0] == a[-1] + 1 for a, b in zip(groups, groups[1:], strict=False))
+
+
+def test_floors_are_granted_and_budget_is_met():
+    pol = _policy({(0, C.QUERY): 1.0, (1, C.QUERY): 0.5, (0, C.TOOL_NAME): 1.0, (1, C.TOOL_NAME): 1.0},
+                  {(g, c): 1.0 for g in range(2) for c in (C.DESCRIPTION, C.SCHEMA_PUNCT, C.PARAM_NAME)})
+    out = compile_policy(pol, 0.33, COUNTS)
+    assert not out.warnings
+    assert out.keep[0][C.QUERY] == 1.0 and out.keep[1][C.QUERY] >= 0.5
+    assert out.keep[0][C.SINK] == 1.0  # never_evict
+    assert out.granted_entries == pytest.approx(0.33 * out.full_entries, rel=1e-6)
+    assert out.effective_budget == pytest.approx(0.33, rel=1e-6)
+
+
+def test_residual_is_proportional_to_weight():
+    pol = _policy({}, {(0, C.DESCRIPTION): 1.0, (0, C.SCHEMA_PUNCT): 3.0,
+                       (1, C.DESCRIPTION): 1.0, (1, C.SCHEMA_PUNCT): 3.0})
+    out = compile_policy(pol, 0.2, COUNTS)
+    d, p = out.keep[0][C.DESCRIPTION], out.keep[0][C.SCHEMA_PUNCT]
+    assert 0 < d < 1 and 0 < p < 1
+    assert p / d == pytest.approx(3.0, rel=1e-4)
+    assert out.keep[0][C.QUERY] == 0.0  # no floor, no weight, budget used up by weighted cells
+
+
+def test_saturated_cells_cap_at_one_and_the_rest_spreads():
+    pol = _policy({}, {(0, C.DESCRIPTION): 1.0, (0, C.SCHEMA_PUNCT): 100.0,
+                       (1, C.DESCRIPTION): 1.0, (1, C.SCHEMA_PUNCT): 100.0})
+    out = compile_policy(pol, 0.5, COUNTS)
+    assert out.keep[0][C.SCHEMA_PUNCT] == pytest.approx(1.0)
+    assert out.granted_entries == pytest.approx(0.5 * out.full_entries, rel=1e-6)
+
+
+def test_unused_capacity_goes_to_unweighted_cells():
+    pol = _policy({}, {(0, C.TOOL_NAME): 1.0, (1, C.TOOL_NAME): 1.0})
+    out = compile_policy(pol, 0.6, COUNTS)
+    assert out.keep[0][C.TOOL_NAME] == 1.0
+    assert out.granted_entries == pytest.approx(0.6 * out.full_entries, rel=1e-6)
+
+
+def test_infeasible_floors_are_reported():
+    pol = _policy({(g, c): 1.0 for g in range(2) for c in (C.DESCRIPTION, C.QUERY)}, {})
+    out = compile_policy(pol, 0.2, COUNTS)
+    assert out.warnings and "effective budget" in out.warnings[0]
+    assert out.effective_budget > 0.2
+    assert out.keep[1][C.DESCRIPTION] == 1.0
+
+
+def test_sliding_window_layers_count_their_window():
+    pol = _policy({}, {(g, C.DESCRIPTION): 1.0 for g in range(2)}, n_layer=4, n_groups=2)
+    n = sum(COUNTS.values())
+    out = compile_policy(pol, 1.0, COUNTS, swa_layers=[0, 1], window=50)
+    assert out.full_entries == pytest.approx(n * 2 + 50 * 2)
+    assert out.layer_capacity[0] <= 50 and out.layer_capacity[3] == n
+
+
+def test_budget_bounds():
+    pol = handwritten_policy(8)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError):
+            compile_policy(pol, bad, COUNTS)
+
+
+def test_layer_capacities_follow_keep_fractions():
+    pol = handwritten_policy(8, 2)
+    out = compile_policy(pol, 0.33, COUNTS)
+    for g, layers in enumerate(pol.groups):
+        expect = sum(out.keep[g][c] * k for c, k in COUNTS.items())
+        for il in layers:
+            assert out.layer_capacity[il] == pytest.approx(expect, abs=1)
+
+
+def test_roundtrip_and_validation(tmp_path):
+    pol = handwritten_policy(18)
+    path = tmp_path / "p.json"
+    pol.save(path)
+    back = Policy.load(path)
+    assert back.groups == pol.groups and back.floors == pol.floors and back.kind == "hand-written"
+    back.check_model(18)
+    with pytest.raises(PolicyError, match="18 layers but the model has 26"):
+        back.check_model(26)
+    data = json.loads(path.read_text())
+    data["floors"][0]["query"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match=r"floors\[0\]\[query\]"):
+        Policy.load(path)
+    data["floors"][0] = {"not_a_class": 0.1}
+    path.write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match="unknown structural class"):
+        Policy.load(path)
+    data = pol.to_json()
+    data["groups"] = [[0, 1], [1, 2]]
+    with pytest.raises(PolicyError, match="partition"):
+        Policy.from_json(data)
+    path.write_text("{not json")
+    with pytest.raises(PolicyError, match="invalid JSON"):
+        Policy.load(path)
+    with pytest.raises(PolicyError, match="not found"):
+        Policy.load(tmp_path / "missing.json")
