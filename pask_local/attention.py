@@ -85,3 +85,39 @@ class AttentionProbe:
             self.close()
         except Exception:
             pass
+
+
+_CELL_POS = None
+
+
+def cell_positions(ctx, il: int, seq_id: int = 0) -> np.ndarray:
+    """Position held by each KV cell of layer ``il`` for ``seq_id`` (-1: empty/other sequence).
+
+    Column j of a probe statistic is cell j, so ``cell_positions(ctx, il)[j]`` is its position.
+    """
+    global _CELL_POS
+    if _CELL_POS is None:
+        _CELL_POS = bind("pask_kv_cell_positions", ctypes.c_int32,
+                         [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                          ctypes.c_int32])
+    ptr = ctx.ptr if isinstance(ctx.ptr, int) else ctypes.cast(ctx.ptr, ctypes.c_void_p).value
+    n = _CELL_POS(ptr, il, seq_id, None, 0)
+    if n < 0:
+        raise NativeError(f"pask_kv_cell_positions failed for layer {il}")
+    out = np.full(max(n, 1), -1, dtype=np.int32)
+    _CELL_POS(ptr, il, seq_id, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+    return out[:n]
+
+
+def probed_layered_context(model, capacities, config, probe: AttentionProbe | None):
+    """A LayeredContext whose llama_context_params carry ``probe``'s eval callback (if any)."""
+    from .kv_layered import LayeredContext
+
+    class _Probed(LayeredContext):
+        def params(self):  # noqa: D401 - LayeredContext builds its context from these params
+            p = super().params()
+            if probe is not None:
+                probe.install(p)
+            return p
+
+    return _Probed(model, capacities, config)

@@ -159,6 +159,8 @@ class ContextConfig:
     flash_attn: bool = False
     n_threads: int = 0          # 0: PASK_THREADS or all cores
     embeddings: bool = False
+    type_k: int | None = None   # ggml_type of the K cache (None: llama.cpp's default, F16)
+    type_v: int | None = None   # ggml_type of the V cache
 
 
 class Context:
@@ -199,6 +201,10 @@ class Context:
         p.n_threads_batch = threads
         p.embeddings = cfg.embeddings
         p.flash_attn_type = 1 if cfg.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
+        if cfg.type_k is not None:
+            p.type_k = cfg.type_k
+        if cfg.type_v is not None:
+            p.type_v = cfg.type_v
         return p
 
     @property

@@ -10,6 +10,8 @@ Every failure is a one-line ``ModelError``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -46,6 +48,16 @@ def default_model_path() -> Path:
         return Path(pkg.assemble(target, overwrite=True))
     except (OSError, ValueError) as exc:
         raise ModelError(f"could not assemble the embedded model into {target}: {exc}") from None
+
+
+@functools.cache
+def file_sha256(path: Path) -> str:
+    """sha256 of a (model) file, cached per path for the process."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_gguf(path: Path) -> Path:

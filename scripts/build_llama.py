@@ -326,7 +326,8 @@ def _last_line(text: str) -> str:
 
 def _last_error(logfile: Path) -> str:
     lines = logfile.read_text(errors="replace").splitlines()
-    errs = [ln.strip() for ln in lines if "error" in ln.lower()]
+    errs = [ln.strip() for ln in lines if ": error:" in ln or ": fatal error:" in ln]
+    errs = errs or [ln.strip() for ln in lines if "error" in ln.lower()]
     return (errs[0] if errs else _last_line("\n".join(lines)))[:300]
 
 

@@ -1,0 +1,1 @@
+"""Tool definitions: normalisation of input formats (``tools``) and function-call grammars (``gbnf``)."""

@@ -1,0 +1,179 @@
+"""GBNF grammars for function calls, with rule names that map parser states back to schema paths.
+
+``build_grammar(tools, parallel)`` returns a ``CallGrammar``: the GBNF text for one call
+``{"name": "<tool>", "arguments": {...}}`` (or, with ``parallel``, a JSON list of such calls) and a
+table from rule name to ``Role``. Output is compact and deterministic: separators are ``", "`` and
+``": "`` (Python ``json.dumps`` style), required properties come first (schema order), then the
+optional ones (schema order, each may be omitted).
+
+Rule names (``[a-zA-Z0-9-]``) encode tool, path and role: ``t<i>-name`` (the tool's name string),
+``t<i>-k-<path>`` (a property key), ``t<i>-v-<path>`` (a value; ``-x`` marks array items, ``-a``
+helpers of a free-form value). Every leaf value is written inside its own rule, never through a
+shared rule in tail position, so while the parser is inside a value the value's rule (or a rule the
+GBNF parser generated from it, named ``<rule>_<n>``) is on the stack.
+GBNF string literals are escaped with llama-cpp-python's converter (``SchemaConverter._format_literal``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_cpp.llama_grammar import SchemaConverter
+
+from .tools import ToolSpec
+
+_LIT = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+INT_BODY = '"-"? ("0" | [1-9] [0-9]{0,15})'
+NUM_BODY = INT_BODY + ' ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})?'
+STR_BODY = '"\\"" char* "\\""'
+PRIMITIVE_BODY = {"string": STR_BODY, "integer": INT_BODY, "number": NUM_BODY,
+                  "boolean": '("true" | "false")', "null": '"null"'}
+SUFFIX_RE = re.compile(r"(_\d+)+$")
+
+
+def lit(text: str) -> str:
+    """A GBNF literal matching ``text`` exactly."""
+    return _LIT._format_literal(text)
+
+
+@dataclass(frozen=True)
+class Role:
+    """What the parser is producing inside a rule: a tool name, a property key, or a value."""
+
+    kind: str                 # "name" | "key" | "value"
+    tool: int                 # index into the tool list
+    path: tuple[str, ...]     # property path inside "arguments" ("[]" marks array items)
+    required: bool            # the property and all its ancestors are required
+
+
+@dataclass
+class CallGrammar:
+    """The GBNF text of a function-call grammar and the role of each named rule."""
+
+    text: str
+    tools: list[ToolSpec]
+    parallel: bool
+    roles: dict[str, Role] = field(default_factory=dict)
+    root: str = "root"
+
+    def role_of(self, rule_name: str) -> Role | None:
+        """The role of a rule, including rules the GBNF parser generated from it (``<rule>_<n>``)."""
+        role = self.roles.get(rule_name)
+        if role is None:
+            role = self.roles.get(SUFFIX_RE.sub("", rule_name))
+        return role
+
+
+class _Builder:
+    def __init__(self, tools: list[ToolSpec], max_string: int | None = None) -> None:
+        self.tools = tools
+        self.str_body = STR_BODY if max_string is None else f'"\\"" char{{0,{max_string}}} "\\""'
+        self.prim = {**PRIMITIVE_BODY, "string": self.str_body}
+        self.rules: dict[str, str] = {}
+        self.roles: dict[str, Role] = {}
+
+    def add(self, name: str, body: str, role: Role | None = None) -> str:
+        base, n = name, 2
+        while name in self.rules:
+            name, n = f"{base}-{n}", n + 1
+        self.rules[name] = body
+        if role is not None:
+            self.roles[name] = role
+        return name
+
+    @staticmethod
+    def slug(text: str) -> str:
+        s = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
+        return s[:40] or "p"
+
+    def value(self, schema: dict[str, Any], tool: int, path: tuple[str, ...], required: bool) -> str:
+        """The rule for a value at ``path``; returns the rule name."""
+        name = f"t{tool}-v-" + "-".join(self.slug(p) if p != "[]" else "x" for p in path) if path else f"t{tool}-args"
+        role = Role("value", tool, path, required)
+        if "enum" in schema:
+            return self.add(name, " | ".join(lit(json.dumps(v)) for v in schema["enum"]), role)
+        t = schema.get("type")
+        if t is None:
+            return self.any_value(name, role)
+        if isinstance(t, list):
+            return self.add(name, " | ".join(f"({self.prim[x]})" for x in t), role)
+        if t == "object":
+            if not schema.get("properties") and schema.get("additionalProperties", True) is not False:
+                return self.any_value(name, role, only="object")
+            return self.add(name, self.object_body(schema, tool, path, required), role)
+        if t == "array":
+            # items first: the rule for the array itself is added after its item rule
+            item = self.value(schema.get("items", {}), tool, (*path, "[]"), required)
+            return self.add(name, self.array_body(item, schema.get("minItems", 0), schema.get("maxItems")), role)
+        return self.add(name, self.prim[t], role)
+
+    def object_body(self, schema: dict[str, Any], tool: int, path: tuple[str, ...], required: bool) -> str:
+        props: dict[str, Any] = schema.get("properties", {})
+        req = [k for k in props if k in schema.get("required", [])]
+        opt = [k for k in props if k not in req]
+
+        def kv(key: str) -> str:
+            is_req = required and key in req
+            kname = self.add(f"t{tool}-k-" + "-".join(self.slug(p) if p != "[]" else "x" for p in (*path, key)),
+                             lit(json.dumps(key)), Role("key", tool, (*path, key), is_req))
+            vname = self.value(props[key], tool, (*path, key), is_req)
+            return f'{kname} ": " {vname}'
+
+        if not props:
+            return '"{}"'
+        if req:
+            body = ' ", " '.join(kv(k) for k in req)
+            body += "".join(f' (", " {kv(k)})?' for k in opt)
+            return f'"{{" {body} "}}"'
+        kvs = [kv(k) for k in opt]
+        alts = []
+        for i, first in enumerate(kvs):
+            alts.append(first + "".join(f' (", " {x})?' for x in kvs[i + 1:]))
+        return '"{" (' + " | ".join(alts) + ')? "}"'
+
+    @staticmethod
+    def array_body(item: str, lo: int, hi: int | None) -> str:
+        if hi == 0:
+            return '"[]"'
+        if lo == 0:
+            tail = f'(", " {item})*' if hi is None else f'(", " {item}){{0,{hi - 1}}}'
+            return f'"[" ({item} {tail})? "]"'
+        tail = f'(", " {item}){{{lo - 1},}}' if hi is None else f'(", " {item}){{{lo - 1},{hi - 1}}}'
+        return f'"[" {item} {tail} "]"'
+
+    def any_value(self, name: str, role: Role, only: str | None = None) -> str:
+        """A free-form JSON value with its own rules (so the role survives tail-position drops)."""
+        kv = f"{name}-a-kv"
+        obj = f'"{{" ({kv} (", " {kv})*)? "}}"'
+        if only == "object":
+            rule = self.add(name, obj, role)
+        else:
+            rule = self.add(name, " | ".join([obj, f'"[" ({name} (", " {name})*)? "]"', self.str_body, NUM_BODY,
+                                              '"true"', '"false"', '"null"']), role)
+        inner = name if only is None else self.any_value(f"{name}-a", role)
+        self.add(kv, f'{self.str_body} ": " {inner}', role)
+        return rule
+
+    def call(self, i: int, tool: ToolSpec) -> str:
+        name_rule = self.add(f"t{i}-name", lit(json.dumps(tool.name)), Role("name", i, (), True))
+        args = self.value(tool.parameters, i, (), True)
+        self.roles.pop(args, None)  # the arguments object itself is structure, not a value
+        return self.add(f"t{i}-call", f'{name_rule} ", \\"arguments\\": " {args}')
+
+
+def build_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int | None = None) -> CallGrammar:
+    """The GBNF grammar for a call (or a list of calls with ``parallel``) to one of ``tools``.
+
+    ``max_string`` bounds the characters of every string value (None: unbounded).
+    """
+    b = _Builder(tools, max_string)
+    calls = [b.call(i, t) for i, t in enumerate(tools)]
+    b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
+    b.add("char", CHAR_RULE.split("::=", 1)[1].strip())
+    root = '"[" call (", " call)* "]"' if parallel else "call"
+    lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in b.rules.items()]
+    return CallGrammar(text="\n".join(lines) + "\n", tools=tools, parallel=parallel, roles=b.roles)

@@ -1,0 +1,1 @@
+"""Structural tagging: prompt spans -> token classes (``prompt``), generated tokens (``generated``)."""

@@ -1,0 +1,227 @@
+"""Renders the function-calling prompt as class-tagged spans and maps the spans to token positions.
+
+Two renderers: ``plain`` (base models such as the default Gemma 3 270M: fixed instructions, the
+tool list as JSON lines, optional few-shot examples given by the caller, the user query, then the
+call prefix) and ``chat`` (the GGUF's chat template rendered with jinja2; text the template adds is
+``template``). Tool definitions are serialised by ``tool_spans`` with per-piece classes (tool
+names, parameter names, required parameter names, types/enums/defaults/formats, descriptions,
+JSON punctuation and schema keywords).
+
+Token positions: the prompt text is tokenised as a whole (BOS first); each token's byte range is
+recovered by concatenating the detokenised pieces, which must reproduce the text (checked; when a
+tokenizer does not, the prompt tokens are defined as the concatenation of the spans tokenised one
+by one). A token overlapping several spans takes the most protective class
+(``classes.more_protective``). The BOS token (or the first token without BOS) is ``sink``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..classes import StructuralClass as C
+from ..classes import more_protective
+from ..errors import PaskError
+from ..llm import Model
+from ..schema.tools import ToolSpec
+
+Span = tuple[str, C]
+INSTRUCTIONS = ("You are a function-calling assistant. Answer the user's request with one JSON call "
+                '{"name": <tool name>, "arguments": <object>} to one of the tools below. '
+                "Use only the parameters a tool defines.")
+INSTRUCTIONS_PARALLEL = ("You are a function-calling assistant. Answer the user's request with a JSON list of "
+                         'calls [{"name": <tool name>, "arguments": <object>}, ...] to the tools below, one per '
+                         "action the user asks for. Use only the parameters a tool defines.")
+TYPE_KEYS = {"type", "enum", "default", "format", "minItems", "maxItems", "additionalProperties"}
+
+
+@dataclass
+class Prompt:
+    """A rendered prompt: its text spans, token ids and one class per token."""
+
+    spans: list[Span]
+    tokens: list[int] = field(default_factory=list)
+    classes: list[C] = field(default_factory=list)
+    style: str = "plain"
+
+    @property
+    def text(self) -> str:
+        return "".join(s for s, _ in self.spans)
+
+
+def _json_spans(value: Any, ctx: tuple[str, ...], req: frozenset[str]) -> list[Span]:
+    """Serialise like json.dumps (", " / ": " separators), tagging each piece by its schema role.
+
+    ``req``: the ``required`` list of the nearest enclosing schema object (for its property names).
+    """
+    P = C.SCHEMA_PUNCT
+    out: list[Span] = []
+    if isinstance(value, dict):
+        own = value.get("required") if "properties" in value else None
+        sub_req = frozenset(own) if isinstance(own, list) else req
+        out.append(("{", P))
+        for i, (k, v) in enumerate(value.items()):
+            if i:
+                out.append((", ", P))
+            out.append((json.dumps(k), _key_class(ctx, k, req)))
+            out.append((": ", P))
+            out += _json_spans(v, (*ctx, k), sub_req)
+        out.append(("}", P))
+    elif isinstance(value, list):
+        out.append(("[", P))
+        for i, v in enumerate(value):
+            if i:
+                out.append((", ", P))
+            out += _json_spans(v, (*ctx, "[]"), req)
+        out.append(("]", P))
+    else:
+        out.append((json.dumps(value), _scalar_class(ctx, value)))
+    return out
+
+
+def _scalar_class(ctx: tuple[str, ...], value: Any) -> C:
+    key = ctx[-1] if ctx else ""
+    parent = ctx[-2] if len(ctx) > 1 else ""
+    if key == "name" and len(ctx) == 1:
+        return C.TOOL_NAME
+    if key == "[]" and parent == "required":
+        return C.PARAM_REQUIRED
+    if key in TYPE_KEYS or (key == "[]" and parent == "enum"):
+        return C.PARAM_TYPE
+    return C.DESCRIPTION
+
+
+def _key_class(ctx: tuple[str, ...], key: str, req: frozenset[str]) -> C:
+    if ctx and ctx[-1] == "properties":
+        return C.PARAM_REQUIRED if key in req else C.PARAM_NAME
+    return C.SCHEMA_PUNCT  # schema keywords and envelope keys
+
+
+def _split_quotes(spans: list[Span]) -> list[Span]:
+    """Quotes around names/values are JSON syntax: give them schema_punct."""
+    out: list[Span] = []
+    for text, cls in spans:
+        if cls != C.SCHEMA_PUNCT and len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+            out += [('"', C.SCHEMA_PUNCT), (text[1:-1], cls), ('"', C.SCHEMA_PUNCT)]
+        else:
+            out.append((text, cls))
+    return out
+
+
+def tool_spans(tool: ToolSpec) -> list[Span]:
+    """One tool definition as compact JSON with classes."""
+    obj = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    if not tool.description:
+        del obj["description"]
+    return _split_quotes(_json_spans(obj, (), frozenset()))
+
+
+def _body_spans(tools: list[ToolSpec], request: str, examples: list[tuple[str, str]] | None,
+                parallel: bool, style: str) -> tuple[list[Span], list[Span], list[Span]]:
+    """(system spans, user spans, call-prefix spans)."""
+    T = C.TEMPLATE
+    system: list[Span] = [(INSTRUCTIONS_PARALLEL if parallel else INSTRUCTIONS, T), ("\n\nTools:\n", T)]
+    for t in tools:
+        system += tool_spans(t)
+        system.append(("\n", T))
+    if examples:
+        system.append(("\nExamples:\n", T))
+        for q, call in examples:
+            system += [("User: ", T), (q, C.EXAMPLE), ("\nCall: ", T), (call, C.EXAMPLE), ("\n", T)]
+    user: list[Span] = [(request, C.QUERY)]
+    return system, user, []
+
+
+def render_plain(tools: list[ToolSpec], request: str, examples: list[tuple[str, str]] | None = None,
+                 parallel: bool = False) -> list[Span]:
+    system, user, _ = _body_spans(tools, request, examples, parallel, "plain")
+    return [*system, ("\nUser: ", C.TEMPLATE), *user, ("\nCall: ", C.TEMPLATE)]
+
+
+def render_chat(template: str, tools: list[ToolSpec], request: str, examples: list[tuple[str, str]] | None = None,
+                parallel: bool = False, bos_text: str = "", eos_text: str = "") -> list[Span]:
+    """Renders the chat template around sentinel strings, then splices the tagged spans in."""
+    import jinja2
+
+    system, user, _ = _body_spans(tools, request, examples, parallel, "chat")
+    s_sys, s_user = "\x00PASK_SYSTEM\x00", "\x00PASK_USER\x00"
+    env = jinja2.Environment(undefined=jinja2.ChainableUndefined, trim_blocks=False, lstrip_blocks=False)
+
+    def raise_exception(msg: str) -> None:
+        raise PaskError(f"chat template error: {msg}")
+
+    env.globals["raise_exception"] = raise_exception
+    try:
+        text = env.from_string(template).render(
+            messages=[{"role": "system", "content": s_sys}, {"role": "user", "content": s_user}],
+            add_generation_prompt=True, bos_token=bos_text, eos_token=eos_text, tools=None)
+    except jinja2.TemplateError as exc:
+        raise PaskError(f"cannot render the model's chat template: {exc}") from None
+    if text.count(s_sys) != 1 or text.count(s_user) != 1:
+        raise PaskError("the model's chat template does not place system and user messages once each")
+    if bos_text and text.startswith(bos_text):
+        text = text[len(bos_text):]  # BOS is added as a token
+    a, rest = text.split(s_sys)
+    b, c = rest.split(s_user)
+    out: list[Span] = [(a, C.TEMPLATE), *system, (b, C.TEMPLATE), *user, (c, C.TEMPLATE)]
+    return [s for s in out if s[0]]
+
+
+def map_spans(model: Model, spans: list[Span], add_bos: bool = True) -> tuple[list[int], list[C]]:
+    """Token ids of the whole prompt and one class per token (see module docstring)."""
+    spans = [s for s in spans if s[0]]
+    text = "".join(s for s, _ in spans)
+    tokens = model.tokenize(text, add_special=False, parse_special=False)
+    pieces = [model.piece(t) for t in tokens]
+    classes: list[C]
+    if b"".join(pieces) == text.encode("utf-8"):
+        bounds, pos = [], 0
+        for s, _ in spans:
+            n = len(s.encode("utf-8"))
+            bounds.append((pos, pos + n))
+            pos += n
+        classes, start, j = [], 0, 0
+        for p in pieces:
+            end = start + len(p)
+            while bounds[j][1] <= start:
+                j += 1
+            cls, k = spans[j][1], j
+            while k < len(spans) and bounds[k][0] < end:
+                cls = more_protective(cls, spans[k][1]) if bounds[k][1] > start else cls
+                k += 1
+            classes.append(cls)
+            start = end
+    else:  # tokenizer inserts/merges text: the prompt is the concatenation of span tokenisations
+        tokens, classes = [], []
+        for s, cls in spans:
+            ids = model.tokenize(s, add_special=False, parse_special=False)
+            tokens += ids
+            classes += [cls] * len(ids)
+    if add_bos and model.bos >= 0:
+        tokens = [model.bos, *tokens]
+        classes = [C.SINK, *classes]
+    elif classes:
+        classes[0] = C.SINK
+    return tokens, classes
+
+
+def render_prompt(model: Model, tools: list[ToolSpec], request: str, examples: list[tuple[str, str]] | None = None,
+                  parallel: bool = False, style: str = "auto") -> Prompt:
+    """Render (``style``: auto | plain | chat) and tag the prompt for ``model``."""
+    if not request.strip():
+        raise PaskError("the request is empty")
+    template = model.chat_template()
+    if style == "auto":
+        style = "chat" if template else "plain"
+    if style == "chat":
+        if not template:
+            raise PaskError("this model has no chat template; use the plain prompt style")
+        spans = render_chat(template, tools, request, examples, parallel,
+                            bos_text=model.piece(model.bos).decode("utf-8", "replace") if model.bos >= 0 else "")
+    elif style == "plain":
+        spans = render_plain(tools, request, examples, parallel)
+    else:
+        raise PaskError(f"unknown prompt style '{style}' (auto, plain, chat)")
+    tokens, classes = map_spans(model, spans)
+    return Prompt(spans=spans, tokens=tokens, classes=classes, style=style)
