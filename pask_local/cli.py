@@ -68,8 +68,10 @@ def info(gguf: GgufOption = None, load: Annotated[bool, typer.Option(
 def _register_optional_commands() -> None:
     """Subcommands owned by other modules, mounted here so the CLI stays one place to look."""
     from .run_cli import run_command
+    from .tui.cli import tui_command
 
     app.command("run")(run_command)
+    app.command("tui")(tui_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,3 +105,9 @@ def test_pask_keeps_protected_classes_and_oldest_go_first():
 def test_pask_rejects_policy_for_other_model():
     with pytest.raises(Exception, match="4 layers but the model has 6"):
         PASK(_pask_policy()).capacities(0.4, np.zeros(10, dtype=np.int64), 6)
+
+
+def test_protected_window_larger_than_capacity_keeps_newest():
+    v = view(100, RNG.random(100), prompt_len=100)
+    kept = SnapKV(window=32).select(v, 10)
+    assert kept.tolist() == list(range(90, 100))

@@ -44,11 +44,12 @@ class Method:
 
 def top_k_positions(positions: np.ndarray, scores: np.ndarray, k: int, protect: np.ndarray | None = None
                     ) -> np.ndarray:
-    """The k positions with the highest scores (ties: newer first); ``protect`` ones always kept."""
+    """The k positions with the highest scores (ties: newer first); ``protect`` ones kept first
+    (if they alone exceed k, the newest k of them)."""
     k = max(0, min(k, len(positions)))
     if protect is None:
         protect = np.zeros(len(positions), dtype=bool)
-    forced = positions[protect]
+    forced = np.sort(positions[protect])[max(0, int(protect.sum()) - k):]
     rest = ~protect
     room = max(0, k - len(forced))
     order = np.lexsort((-positions[rest], -scores[rest]))

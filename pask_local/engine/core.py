@@ -1,0 +1,420 @@
+"""The PASK engine: one constrained decode loop with per-layer KV persistence under a budget.
+
+``Engine.run`` renders and tags the prompt, sizes every layer's KV capacity with the method
+(PASK: the compiled policy; baselines: their own rule), creates a layered-cache context, and
+- PASK (structure known up front): decides per layer which prompt tokens persist *before* prefill,
+  prefills in chunks and evicts the others between chunks, so no layer ever holds more than its
+  capacity plus one chunk;
+- incremental baselines (StreamingLLM, H2O, TOVA): prefill in chunks, compressing a layer when it
+  goes over its capacity, with attention statistics from the native probe where needed;
+- SnapKV / PyramidKV: prefill the whole prompt (their peak is full KV: reported as such), score it
+  with the observation window, compress once;
+then decodes with the fast grammar sampler, tags each new token, and evicts by the method's rule
+when a layer passes its budget (which grows with the sequence: budget x tokens so far).
+Every count reported (held entries, bytes) is read from the native cache, not from Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
+from ..classes import StructuralClass
+from ..errors import NativeError, PaskError
+from ..generate import validate_calls
+from ..grammar.sampler import ConstrainedSampler
+from ..grammar.state import GrammarState
+from ..kv_layered import kv_total_bytes
+from ..llm import Context, ContextConfig, Model
+from ..methods import PASK, LayerView, Method
+from ..methods.pask import class_indices
+from ..model_info import swa_layers
+from ..schema.gbnf import build_grammar
+from ..schema.tools import as_tools
+from ..tagging.generated import CallTagger
+from ..tagging.prompt import Prompt, render_prompt
+from .trace import TraceWriter
+
+
+@dataclass
+class EngineConfig:
+    budget: float = 0.33
+    chunk: int = 64               # prefill chunk (tokens); the slack every layer may exceed by
+    max_tokens: int = 256
+    n_ctx: int = 0                # 0: prompt + max_tokens
+    probe_window: int = 32        # observation window (SnapKV) / queries per window statistic
+    style: str = "auto"           # prompt style: auto | plain | chat
+
+
+@dataclass
+class EngineResult:
+    text: str
+    calls: list[dict[str, Any]]
+    parsed: Any
+    error: str | None
+    finish: str
+    prompt: Prompt
+    tokens: list[int]
+    classes: list[StructuralClass]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Engine:
+    """Runs requests on one model with one KV-persistence method."""
+
+    def __init__(self, model: Model, method: Method, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.method = method
+        self.cfg = config or EngineConfig()
+        if not 0.0 < self.cfg.budget <= 1.0:
+            raise PaskError(f"budget must be in (0, 1], got {self.cfg.budget}")
+        self.swa, self.window = swa_layers(model)
+
+    # ----------------------------------------------------------------- public
+    def run(self, tools: Any, request: str, parallel: bool = False,
+            examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None) -> EngineResult:
+        specs = as_tools(tools)
+        grammar = build_grammar(specs, parallel)
+        prompt = render_prompt(self.model, specs, request, examples=examples, parallel=parallel,
+                               style=self.cfg.style)
+        n_prompt = len(prompt.tokens)
+        n_ctx = self.cfg.n_ctx or (n_prompt + self.cfg.max_tokens + 1)
+        if n_prompt + self.cfg.max_tokens > n_ctx:
+            raise PaskError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the "
+                            f"context size {n_ctx}")
+        if n_prompt + self.cfg.max_tokens > self.model.n_ctx_train:
+            raise PaskError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the model's "
+                            f"trained context ({self.model.n_ctx_train})")
+        run = _Run(self, prompt, n_ctx, TraceWriter(trace))
+        try:
+            return run.execute(grammar, specs, parallel, request)
+        finally:
+            run.close()
+
+
+class _Run:
+    """The state of one request: context, per-layer bookkeeping, scores, trace."""
+
+    def __init__(self, engine: Engine, prompt: Prompt, n_ctx: int, trace: TraceWriter) -> None:
+        self.e = engine
+        self.model = engine.model
+        self.method = engine.method
+        self.cfg = engine.cfg
+        self.prompt = prompt
+        self.trace = trace
+        self.n_layer = self.model.n_layer
+        self.n_prompt = len(prompt.tokens)
+        self.all_classes = list(class_indices(prompt.classes))
+        self.caps = self.method.capacities(self.cfg.budget, np.asarray(self.all_classes), self.n_layer)
+        self.ratio = [c / self.n_prompt for c in self.caps]
+        self.full = self.method.name == "full"
+        self.needs_attn = self.method.needs_attention and not self.full
+        self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
+        max_len = self.n_prompt + self.cfg.max_tokens
+        cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window))
+        if self.full:
+            self.ctx: Context = Context(self.model, cfgc)
+            self.phys = [n_ctx] * self.n_layer
+        else:
+            if self.method.compress_after_prefill:
+                phys = [max_len] * self.n_layer
+            else:
+                phys = [min(max_len, self.target(il, self.cfg.max_tokens) + self.cfg.chunk)
+                        for il in range(self.n_layer)]
+            self.phys = [self._swa_cap(il, p) for il, p in enumerate(phys)]
+            self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
+        self.scores = [np.zeros(max_len + 1) for _ in range(self.n_layer)] if self.needs_attn else None
+        self.held_log: list[list[int]] = []
+
+    # ------------------------------------------------------------ budgeting
+    def target(self, il: int, n_gen: int) -> int:
+        """Entries layer il may hold after n_gen generated tokens: its prompt capacity + ratio x n_gen."""
+        return self.caps[il] + math.ceil(self.ratio[il] * n_gen - 1e-9)
+
+    def _swa_cap(self, il: int, cap: int) -> int:
+        # a sliding-window layer never needs more cells than its window (+ one chunk in flight)
+        return min(cap, self.e.window + self.cfg.chunk) if il in self.e.swa else cap
+
+    # ------------------------------------------------------------- KV ops
+    def held(self, il: int) -> np.ndarray:
+        return np.asarray(self.ctx.positions(il), dtype=np.int64)
+
+    def evict_to(self, il: int, capacity: int, step: int, rule: str) -> None:
+        pos = self.held(il)
+        if len(pos) <= capacity:
+            return
+        cls = np.asarray(self.all_classes, dtype=np.int64)[pos]
+        scores = self.scores[il][pos] if self.scores is not None else None
+        view = LayerView(layer=il, n_layer=self.n_layer, positions=pos, classes=cls, scores=scores,
+                         prompt_len=self.n_prompt, all_classes=np.asarray(self.all_classes, dtype=np.int64))
+        keep = self.method.select(view, capacity)
+        drop = np.setdiff1d(pos, keep)
+        if len(drop):
+            self.ctx.evict(il, drop.tolist())
+            self._log_evict(il, drop, step, rule)
+
+    def evict_swa_window(self, now: int, step: int) -> None:
+        """Sliding-window layers: positions that left the window can never be attended again."""
+        if not self.e.swa or self.e.window <= 0:
+            return
+        for il in self.e.swa:
+            pos = self.held(il)
+            old = pos[pos <= now - self.e.window]
+            if len(old):
+                self.ctx.evict(il, old.tolist())
+                self._log_evict(il, old, step, "window")
+
+    def _log_evict(self, il: int, positions: np.ndarray, step: int, rule: str) -> None:
+        if self.trace.enabled:
+            self.trace.write("evict", step=step, layer=il, group=self.group_of(il),
+                             positions=[int(p) for p in positions], rule=rule)
+
+    def group_of(self, il: int) -> int:
+        if isinstance(self.method, PASK):
+            return self.method.group_of[il]
+        groups = self.groups()
+        for g, layers in enumerate(groups):
+            if il in layers:
+                return g
+        return 0
+
+    def groups(self) -> list[list[int]]:
+        if isinstance(self.method, PASK):
+            return self.method.policy.groups
+        from ..policy import contiguous_groups
+
+        return contiguous_groups(self.n_layer, 4)
+
+    def held_counts(self) -> list[int]:
+        if self.full:
+            return [self.n_seq] * self.n_layer
+        return [self.ctx.used(il) for il in range(self.n_layer)]
+
+    # -------------------------------------------------------------- scores
+    def collect_scores(self, what: int) -> None:
+        """Add the probe's per-cell statistic of the last decode to each layer's per-position scores."""
+        assert self.probe is not None and self.scores is not None
+        for il in range(self.n_layer):
+            stat = self.probe.stat(il, what)
+            cells = cell_positions(self.ctx, il)
+            n = min(len(stat), len(cells))
+            valid = cells[:n] >= 0
+            if what == LAST:
+                self.scores[il][:] = 0.0
+            np.add.at(self.scores[il], cells[:n][valid], stat[:n][valid])
+
+    # ------------------------------------------------------------- prefill
+    def prefill(self) -> None:
+        toks = self.prompt.tokens
+        n = self.n_prompt
+        chunk = self.cfg.chunk
+        pask_keep = None
+        if isinstance(self.method, PASK):
+            pask_keep = self._pask_prompt_plan()
+        bounds = list(range(0, n, chunk)) + [n]
+        if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
+            # the observation window must lie in the last decoded chunk
+            bounds[-2] = max(0, n - self.cfg.probe_window)
+            bounds = sorted(set(bounds))
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if self.probe is not None:
+                self.probe.reset()
+            if self.ctx.decode(toks[a:b], a) != 0:
+                raise NativeError(f"llama_decode failed on prompt tokens {a}..{b} (a layer ran out of cells)")
+            self.n_seq = b
+            if self.full:
+                continue
+            if self.method.needs_attention and not self.method.compress_after_prefill:
+                self.collect_scores(LAST if self.method.name == "tova" else SUM)
+            if pask_keep is not None:
+                for il in range(self.n_layer):
+                    arrived = np.arange(a, b)
+                    drop = arrived[~pask_keep[il][a:b]]
+                    if len(drop):
+                        self.ctx.evict(il, drop.tolist())
+                        self._log_evict(il, drop, -1, "policy")
+            elif not self.method.compress_after_prefill:
+                for il in range(self.n_layer):
+                    self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
+            self.evict_swa_window(b - 1, -1)
+        if self.method.compress_after_prefill and not self.full:
+            self.peak_prefill = self.held_counts()
+            self.collect_scores(WINDOW)
+            for il in range(self.n_layer):
+                self.evict_to(il, self.caps[il], -1, "score")
+
+    def _pask_prompt_plan(self) -> list[np.ndarray]:
+        """Per layer: a boolean mask over prompt positions that persist (decided before prefill)."""
+        plan = []
+        positions = np.arange(self.n_prompt)
+        cls = np.asarray(self.all_classes, dtype=np.int64)
+        for il in range(self.n_layer):
+            view = LayerView(layer=il, n_layer=self.n_layer, positions=positions, classes=cls,
+                             prompt_len=self.n_prompt, all_classes=cls)
+            keep = self.method.select(view, self.caps[il])
+            mask = np.zeros(self.n_prompt, dtype=bool)
+            mask[keep] = True
+            plan.append(mask)
+        return plan
+
+    # ------------------------------------------------------------ the run
+    def execute(self, grammar, specs, parallel: bool, request: str) -> EngineResult:
+        model = self.model
+        t0 = time.perf_counter()
+        self._trace_header(grammar, request)
+        self.n_seq = 0
+        self.peak_prefill: list[int] | None = None
+        self.prefill()
+        after_prefill = self.held_counts()
+        t1 = time.perf_counter()
+
+        state = GrammarState(model.vocab, grammar.text)
+        sampler = ConstrainedSampler(state)
+        tagger = CallTagger(model, grammar, state)
+        logits = self.ctx.logits()
+        out: list[int] = []
+        classes: list[StructuralClass] = []
+        finish = "length"
+        pos = self.n_prompt
+        worst_over = 0.0
+        for step in range(self.cfg.max_tokens):
+            tok = sampler.greedy(logits)
+            if model.is_eog(tok):
+                finish = "eog"
+                break
+            cls = tagger.accept(tok, model.piece(tok))
+            out.append(tok)
+            classes.append(cls)
+            self.all_classes.append(list(StructuralClass).index(cls))
+            if self.trace.enabled:
+                self.trace.write("token", pos=pos, id=tok, text=model.piece(tok).decode("utf-8", "replace"),
+                                 cls=cls.value, phase="gen")
+            if state.is_done():
+                finish = "grammar"
+                break
+            if self.probe is not None:
+                self.probe.reset()
+            a = time.perf_counter()
+            if self.ctx.decode([tok], pos) != 0:
+                raise NativeError(f"llama_decode failed at position {pos} (a layer ran out of cells)")
+            self.n_seq = pos + 1
+            if not self.full:
+                if self.method.needs_attention and self.method.name in ("h2o", "tova"):
+                    self.collect_scores(LAST if self.method.name == "tova" else SUM)
+                for il in range(self.n_layer):
+                    self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
+                self.evict_swa_window(pos, step)
+            held = self.held_counts()
+            worst_over = max(worst_over, max(h - self._allowed(il, step + 1) for il, h in enumerate(held)))
+            if self.trace.enabled:
+                self.trace.write("step", step=step, pos=pos, kept=self._group_sums(held),
+                                 ms=(time.perf_counter() - a) * 1e3)
+            pos += 1
+            logits = self.ctx.logits()
+        t2 = time.perf_counter()
+        state.close()
+
+        text = model.detokenize(out)
+        parsed: Any = None
+        calls: list[dict[str, Any]] = []
+        error: str | None = None
+        if finish == "length":
+            error = f"the call did not finish within max_tokens={self.cfg.max_tokens}"
+        else:
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                error = f"output is not valid JSON: {exc.msg}"
+            else:
+                calls, error = validate_calls(parsed, specs, parallel)
+        stats = self._stats(after_prefill, len(out), t0, t1, t2, sampler, worst_over)
+        if self.trace.enabled:
+            self.trace.write("final", output=text, valid=error is None, retained=self._retained(),
+                             n_prompt=self.n_prompt, n_gen=len(out), ms_per_token=stats["ms_per_token"])
+        return EngineResult(text=text, calls=calls, parsed=parsed, error=error, finish=finish,
+                            prompt=self.prompt, tokens=out, classes=classes, stats=stats)
+
+    # ----------------------------------------------------------- reporting
+    def full_size(self, il: int, n_tokens: int) -> int:
+        if il in self.e.swa and self.e.window > 0:
+            return min(n_tokens, self.e.window)
+        return n_tokens
+
+    def _allowed(self, il: int, n_gen: int) -> int:
+        """The budget check: entries allowed in layer il (never more than full KV would hold)."""
+        if self.full:
+            return self.n_prompt + n_gen
+        return min(self.target(il, n_gen), self.n_prompt + n_gen)
+
+    def _group_sums(self, held: list[int]) -> list[int]:
+        return [sum(held[il] for il in layers) for layers in self.groups()]
+
+    def _retained(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for g, layers in enumerate(self.groups()):
+            if self.full:
+                out[str(g)] = list(range(self.n_seq))
+                continue
+            common = None
+            for il in layers:
+                s = set(self.ctx.positions(il))
+                common = s if common is None else common & s
+            out[str(g)] = sorted(common or [])
+        return out
+
+    def _stats(self, after_prefill, n_gen, t0, t1, t2, sampler, worst_over) -> dict[str, Any]:
+        held = self.held_counts()
+        n_total = self.n_seq
+        full_now = sum(self.full_size(il, n_total) for il in range(self.n_layer))
+        full_prefill = sum(self.full_size(il, self.n_prompt) for il in range(self.n_layer))
+        groups = self.groups()
+        if self.full:
+            kv_bytes = kv_total_bytes(self.ctx)
+        else:
+            kv_bytes = self.ctx.kv_bytes()
+        return {
+            "method": self.method.name, "budget": self.cfg.budget,
+            "n_prompt": self.n_prompt, "n_gen": n_gen,
+            "budget_used_after_prefill": sum(after_prefill) / full_prefill if full_prefill else 1.0,
+            "budget_used_final": sum(held) / full_now if full_now else 1.0,
+            "peak_prefill_entries": sum(self.peak_prefill) if self.peak_prefill else sum(after_prefill),
+            "held_per_group": self._group_sums(held),
+            "full_per_group": [sum(self.full_size(il, n_total) for il in layers) for layers in groups],
+            "capacity_per_layer": list(self.phys),
+            "kv_bytes_allocated": int(kv_bytes),
+            "max_over_budget_entries": int(worst_over),
+            "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
+            "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),
+            "sampler": {"fast": sampler.stats.fast, "block": sampler.stats.block, "full": sampler.stats.full},
+        }
+
+    def _trace_header(self, grammar, request: str) -> None:
+        if not self.trace.enabled:
+            return
+        policy = None
+        if isinstance(self.method, PASK):
+            policy = self.method.policy.to_json()
+        self.trace.write("header", version=1, model=self.model.path.name, n_layer=self.n_layer,
+                         groups=self.groups(), method=self.method.name, budget=self.cfg.budget,
+                         request=request, policy=policy, capacity=list(self.phys),
+                         swa_layers=list(self.e.swa), window=self.e.window)
+        for i, (tok, c) in enumerate(zip(self.prompt.tokens, self.prompt.classes, strict=True)):
+            self.trace.write("token", pos=i, id=tok, text=self.model.piece(tok).decode("utf-8", "replace"),
+                             cls=c.value, phase="prompt")
+
+    def close(self) -> None:
+        self.trace.close()
+        self.ctx.close()
+        if self.probe is not None:
+            self.probe.close()

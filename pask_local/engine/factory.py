@@ -1,0 +1,31 @@
+"""Builds a KV-persistence method by name (CLI, eval harness), resolving PASK's policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import PaskError
+from ..llm import Model
+from ..methods import BASELINES, METHOD_NAMES, PASK, Method
+from ..model_info import swa_layers
+from ..policy import Policy
+from ..policy.shipped import default_policy
+
+
+def make_method(name: str, model: Model, policy: str | Path | Policy | None = None) -> Method:
+    """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (default)."""
+    if name not in METHOD_NAMES:
+        raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
+    if name != "pask":
+        if policy is not None:
+            raise PaskError(f"--policy applies to the pask method only, not '{name}'")
+        return BASELINES[name]()
+    if policy is None:
+        pol = default_policy(model)
+    elif isinstance(policy, Policy):
+        pol = policy
+    else:
+        pol = Policy.load(policy)
+    pol.check_model(model.n_layer)
+    swa, window = swa_layers(model)
+    return PASK(pol, swa_layers=swa, window=window)

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""End-to-end engine benchmark: every method on the same request, in one run, as ratios to Full KV.
+
+Prints, per method: prompt tokens, generated tokens, prefill ms, decode ms/token (TPOT), KV bytes
+allocated, KV entries held at the end (fraction of full), and whether the call validated. Ratios
+are against Full KV measured in the same process (machines are noisy: compare ratios, not ms).
+
+  .venv/bin/python scripts/bench_engine.py [--budget 0.33] [--tools N] [--repeat 2] [--json out.json]
+
+``--tools N`` repeats the bundled example tools with renamed copies to lengthen the prompt
+(KV savings grow with context length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pask_local.engine import Engine, EngineConfig, make_method  # noqa: E402
+from pask_local.llm import Model  # noqa: E402
+from pask_local.methods import METHOD_NAMES  # noqa: E402
+from pask_local.models import resolve_model  # noqa: E402
+from pask_local.schema.tools import load_tools  # noqa: E402
+
+
+def tool_set(n: int) -> list[dict]:
+    base = []
+    for name in ("get_weather.json", "calendar.json", "bfcl_math.json", "parallel_shopping.json"):
+        data = json.loads((REPO / "examples" / name).read_text())
+        base += data if isinstance(data, list) else [data]
+    out = []
+    for i in range(n):
+        t = copy.deepcopy(base[i % len(base)])
+        fn = t.get("function", t)
+        if i >= len(base):
+            fn["name"] = f"{fn['name']}_{i // len(base)}"
+        out.append(t)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--budget", type=float, default=0.33)
+    ap.add_argument("--tools", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHOD_NAMES))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    model = Model(resolve_model(args.gguf))
+    tools = load_tools(tool_set(args.tools))
+    request = "What is the weather like in Paris today? Please answer in celsius."
+    rows = {}
+    for name in args.methods.split(","):
+        budget = 1.0 if name == "full" else args.budget
+        engine = Engine(model, make_method(name, model), EngineConfig(budget=budget, max_tokens=args.max_tokens))
+        runs = [engine.run(tools, request) for _ in range(args.repeat)]
+        s = runs[-1].stats
+        rows[name] = {
+            "n_prompt": s["n_prompt"], "n_gen": s["n_gen"],
+            "prefill_ms": statistics.median(r.stats["prefill_ms"] for r in runs),
+            "tpot_ms": statistics.median(r.stats["ms_per_token"] for r in runs),
+            "kv_bytes": s["kv_bytes_allocated"], "kv_used": s["budget_used_final"],
+            "peak_prefill_entries": s["peak_prefill_entries"], "valid": all(r.ok for r in runs),
+        }
+    full = rows.get("full")
+    table = Table(title=f"engine benchmark: {model.path.name}, {args.tools} tools, budget {args.budget}")
+    for col in ("method", "prompt", "gen", "prefill ms", "TPOT ms", "TPOT x full", "KV MiB", "KV x full",
+                "held/full", "valid"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        tpot_x = f"{r['tpot_ms'] / full['tpot_ms']:.2f}" if full else "-"
+        kv_x = f"{r['kv_bytes'] / full['kv_bytes']:.2f}" if full else "-"
+        table.add_row(name, str(r["n_prompt"]), str(r["n_gen"]), f"{r['prefill_ms']:.0f}", f"{r['tpot_ms']:.1f}",
+                      tpot_x, f"{r['kv_bytes'] / 2**20:.2f}", kv_x, f"{r['kv_used']:.3f}", str(r["valid"]))
+    Console().print(table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
