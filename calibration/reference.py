@@ -15,6 +15,11 @@ Masks: ``attn_mask[l, i, j]`` = query i may attend key j in layer l. It is ANDed
 (key position <= query position) and, in SWA layers, the window (query_pos - key_pos < n_swa), as in
 llama.cpp's ``is_masked_swa``. A query row left with no key gets a zero attention output.
 
+Restarts: ``trace`` runs the unmasked forward once and keeps the residual stream entering every
+layer plus every layer's keys/values; ``forward_from(layer, trace, mask, start_row=r)`` then
+recomputes only layers >= ``layer`` and rows >= ``r`` of a masked forward (what calibration needs
+when it evicts tokens in one layer group: earlier layers and earlier rows are unchanged).
+
 Precision: weights live in ``dtype`` (float32 or bfloat16) and matmuls run in it; the residual
 stream, norms, RoPE and softmax run in float32; logits are returned as float32. With
 ``numerics=GGMLNumerics()`` the reference additionally reproduces ggml-cpu's roundings (activation
@@ -62,6 +67,19 @@ class _Layer:
     ffn_down: _Linear
     attn_post_norm: torch.Tensor | None = None   # gemma3
     ffn_post_norm: torch.Tensor | None = None    # gemma3
+
+
+@dataclass
+class ForwardTrace:
+    """What an unmasked forward leaves for masked restarts (``ReferenceModel.forward_from``)."""
+
+    ids: torch.Tensor                 # [T] token ids
+    positions: torch.Tensor           # [T]
+    hidden: list[torch.Tensor]        # per layer: the residual stream entering it [T, n_embd]
+    k: list[torch.Tensor]             # per layer: keys [T, n_head_kv, head_dim] (post norm/RoPE)
+    v: list[torch.Tensor]             # per layer: values [T, n_head_kv, head_dim]
+    attn: list[torch.Tensor]          # per layer: attention outputs [T, n_head*head_dim]
+    logits: torch.Tensor              # logits of the rows asked for
 
 
 def _default_device() -> torch.device:
@@ -186,20 +204,10 @@ class ReferenceModel:
             return gn.gelu_tanh_table(x)
         return F.gelu(x, approximate="tanh")
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor, base: float, freq_scale: float) -> torch.Tensor:
-        """NEOX-style rotation of the first n_rot dims of x [T, H, D] (pairs i, i + n_rot/2)."""
-        n_rot = self.hparams.n_rot
-        half = n_rot // 2
-        inv = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2.0 / n_rot)
-        ang = (pos.to(torch.float64)[:, None] * freq_scale) * inv[None, :]          # [T, half]
-        cos = ang.cos().float()[:, None, :]
-        sin = ang.sin().float()[:, None, :]
-        x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
-
-    def _allowed(self, pos: torch.Tensor, layer: int, user: torch.Tensor | None) -> torch.Tensor:
-        """[T, T] bool: causality AND the sliding window (SWA layers) AND the caller's mask."""
-        d = pos[:, None] - pos[None, :]            # query_pos - key_pos
+    def _allowed(self, pos: torch.Tensor, layer: int, user: torch.Tensor | None, start: int = 0) -> torch.Tensor:
+        """[T-start, T] bool for query rows start..T-1: causality AND the sliding window (SWA
+        layers) AND the caller's mask (already restricted to those rows)."""
+        d = pos[start:, None] - pos[None, :]            # query_pos - key_pos
         allowed = d >= 0
         if self.is_swa(layer):
             allowed = allowed & (d < self.hparams.n_swa)
@@ -238,6 +246,100 @@ class ReferenceModel:
         return token_ids, attn_mask, positions
 
     # --- forward ----------------------------------------------------------------------------
+    def _rope_tables(self, pos: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin [T, 1, n_rot/2] for global (False) and sliding-window (True) layers at ``pos``."""
+        hp = self.hparams
+        half = hp.n_rot // 2
+        out = {}
+        for swa, (base, fscale) in ((False, (hp.rope_base, hp.rope_freq_scale)), (True, (hp.rope_base_swa, 1.0))):
+            inv = base ** (-torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / hp.n_rot)
+            ang = (pos.to(torch.float64)[:, None] * fscale) * inv[None, :]          # [T, half]
+            out[swa] = (ang.cos().float()[:, None, :], ang.sin().float()[:, None, :])
+        return out
+
+    def _rotate(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """NEOX-style rotation of the first n_rot dims of x [T, H, D] (pairs i, i + n_rot/2)."""
+        n_rot = self.hparams.n_rot
+        half = n_rot // 2
+        cos, sin = table
+        x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+    def _layer(self, il: int, x: torch.Tensor, pos: torch.Tensor, start: int, user: torch.Tensor | None,
+               rope: dict[bool, tuple[torch.Tensor, torch.Tensor]], k_prefix: torch.Tensor | None,
+               v_prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One block on the rows ``start..T-1`` (``x`` [T-start, n_embd]); keys/values of rows
+        ``0..start-1`` come from ``k_prefix``/``v_prefix``. Returns (x, attention output, k, v) with
+        k, v [T, n_head_kv, head_dim] for all rows (post norm/RoPE, as the KV cache holds them)."""
+        hp = self.hparams
+        L = self._layers[il]
+        n = x.shape[0]
+        H, KV, D = hp.n_head, hp.n_head_kv, hp.head_dim
+        group = H // KV
+        swa = self.is_swa(il)
+        rq = (rope[swa][0][start:], rope[swa][1][start:])
+        h = _rms_norm(x, L.attn_norm, hp.rms_eps)
+        q = self._mm(h, L.wq).view(n, H, D)
+        k = self._mm(h, L.wk).view(n, KV, D)
+        v = self._mm(h, L.wv).view(n, KV, D)
+        q = _rms_norm(q, L.q_norm, hp.rms_eps)
+        k = _rms_norm(k, L.k_norm, hp.rms_eps)
+        q = self._rotate(q, rq)
+        k = self._rotate(k, rq)
+        # [H, T, D] x [H, D, T]; query head h reads kv head h // group (ggml broadcast order)
+        # gemma3 scales Q before K^T Q (kq_scale 1), qwen3 scales the scores (soft_max_ext)
+        pre_scale = hp.arch == "gemma3"
+        if pre_scale:
+            q = q * hp.attn_scale
+        kv16 = self.numerics is not None and self.numerics.kv_f16
+        if kv16:
+            q, k, v = gn.f16(q), gn.f16(k), gn.f16(v)
+        if start:
+            assert k_prefix is not None and v_prefix is not None
+            k = torch.cat([k_prefix[:start], k])
+            v = torch.cat([v_prefix[:start], v])
+        qh = q.permute(1, 0, 2)
+        kh = k.permute(1, 0, 2).repeat_interleave(group, dim=0)
+        vh = v.permute(1, 0, 2).repeat_interleave(group, dim=0)
+        scores = qh @ kh.transpose(1, 2)
+        if not pre_scale:
+            scores = scores * hp.attn_scale
+        allowed = self._allowed(pos, il, user, start)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0)      # rows without any allowed key
+        if kv16:
+            probs = gn.f16(probs)
+        o = (probs @ vh).permute(1, 0, 2).reshape(n, H * D)
+        a = self._mm(o, L.wo)
+        if L.attn_post_norm is not None:
+            a = _rms_norm(a, L.attn_post_norm, hp.rms_eps)
+        x = x + a
+        h = _rms_norm(x, L.ffn_norm, hp.rms_eps)
+        gate = self._mm(h, L.ffn_gate)
+        up = self._mm(h, L.ffn_up)
+        act = self._gelu(gate) if hp.arch == "gemma3" else F.silu(gate)
+        f = self._mm(act * up, L.ffn_down)
+        if L.ffn_post_norm is not None:
+            f = _rms_norm(f, L.ffn_post_norm, hp.rms_eps)
+        return x + f, o, k, v
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and soft-capping: logits (float32) of the rows of ``x``."""
+        hp = self.hparams
+        out = _rms_norm(x, self._output_norm, hp.rms_eps)
+        logits = self._mm(out, self._output)
+        if hp.final_logit_softcap:
+            c = hp.final_logit_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self._tok_embd[ids].float()
+        if self.hparams.embd_scale != 1.0:
+            x = x * self.hparams.embd_scale
+        return x
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 return_attn_outputs: bool = False, *, positions: torch.Tensor | None = None,
@@ -254,70 +356,74 @@ class ReferenceModel:
         logits_rows: only compute logits for these rows (index tensor or slice); saves the
         [T, n_vocab] matmul for big vocabularies. The returned tensor then has those rows only.
         """
-        hp = self.hparams
         ids, mask, pos = self._check_inputs(token_ids, attn_mask, positions)
-        T = ids.numel()
-        x = self._tok_embd[ids].float()
-        if hp.embd_scale != 1.0:
-            x = x * hp.embd_scale
-        H, KV, D = hp.n_head, hp.n_head_kv, hp.head_dim
-        group = H // KV
+        x = self._embed(ids)
+        rope = self._rope_tables(pos)
         attn_outs: list[torch.Tensor] = []
-        for il, L in enumerate(self._layers):
-            h = _rms_norm(x, L.attn_norm, hp.rms_eps)
-            q = self._mm(h, L.wq).view(T, H, D)
-            k = self._mm(h, L.wk).view(T, KV, D)
-            v = self._mm(h, L.wv).view(T, KV, D)
-            q = _rms_norm(q, L.q_norm, hp.rms_eps)
-            k = _rms_norm(k, L.k_norm, hp.rms_eps)
-            if self.is_swa(il):
-                base, fscale = hp.rope_base_swa, 1.0
-            else:
-                base, fscale = hp.rope_base, hp.rope_freq_scale
-            q = self._rope(q, pos, base, fscale)
-            k = self._rope(k, pos, base, fscale)
-            # [H, T, D] x [H, D, T]; query head h reads kv head h // group (ggml broadcast order)
-            # gemma3 scales Q before K^T Q (kq_scale 1), qwen3 scales the scores (soft_max_ext)
-            pre_scale = hp.arch == "gemma3"
-            if pre_scale:
-                q = q * hp.attn_scale
-            kv16 = self.numerics is not None and self.numerics.kv_f16
-            if kv16:
-                q, k, v = gn.f16(q), gn.f16(k), gn.f16(v)
-            qh = q.permute(1, 0, 2)
-            kh = k.permute(1, 0, 2).repeat_interleave(group, dim=0)
-            vh = v.permute(1, 0, 2).repeat_interleave(group, dim=0)
-            scores = qh @ kh.transpose(1, 2)
-            if not pre_scale:
-                scores = scores * hp.attn_scale
-            allowed = self._allowed(pos, il, None if mask is None else mask[il])
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            probs = torch.nan_to_num(probs, nan=0.0)      # rows without any allowed key
-            if kv16:
-                probs = gn.f16(probs)
-            o = (probs @ vh).permute(1, 0, 2).reshape(T, H * D)
+        for il in range(self.n_layer):
+            x, o, _, _ = self._layer(il, x, pos, 0, None if mask is None else mask[il], rope, None, None)
             if return_attn_outputs:
                 attn_outs.append(o)
-            a = self._mm(o, L.wo)
-            if L.attn_post_norm is not None:
-                a = _rms_norm(a, L.attn_post_norm, hp.rms_eps)
-            x = x + a
-            h = _rms_norm(x, L.ffn_norm, hp.rms_eps)
-            gate = self._mm(h, L.ffn_gate)
-            up = self._mm(h, L.ffn_up)
-            act = self._gelu(gate) if hp.arch == "gemma3" else F.silu(gate)
-            f = self._mm(act * up, L.ffn_down)
-            if L.ffn_post_norm is not None:
-                f = _rms_norm(f, L.ffn_post_norm, hp.rms_eps)
-            x = x + f
         if logits_rows is not None:
             x = x[logits_rows]
-        out = _rms_norm(x, self._output_norm, hp.rms_eps)
-        logits = self._mm(out, self._output)
-        if hp.final_logit_softcap:
-            c = hp.final_logit_softcap
-            logits = torch.tanh(logits / c) * c
+        logits = self._head(x)
+        if return_attn_outputs:
+            return logits, torch.stack(attn_outs)
+        return logits
+
+    @torch.inference_mode()
+    def trace(self, token_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+              logits_rows: torch.Tensor | slice | None = None) -> ForwardTrace:
+        """An unmasked forward that keeps what ``forward_from`` restarts from: the residual stream
+        entering every layer, every layer's keys/values and attention outputs, and the logits of
+        ``logits_rows`` (all rows by default)."""
+        ids, _, pos = self._check_inputs(token_ids, None, positions)
+        x = self._embed(ids)
+        rope = self._rope_tables(pos)
+        hidden, ks, vs, outs = [], [], [], []
+        for il in range(self.n_layer):
+            hidden.append(x)
+            x, o, k, v = self._layer(il, x, pos, 0, None, rope, None, None)
+            ks.append(k)
+            vs.append(v)
+            outs.append(o)
+        logits = self._head(x if logits_rows is None else x[logits_rows])
+        return ForwardTrace(ids=ids, positions=pos, hidden=hidden, k=ks, v=vs, attn=outs, logits=logits)
+
+    @torch.inference_mode()
+    def forward_from(self, layer: int, base: ForwardTrace, attn_mask: torch.Tensor | None = None, *,
+                     start_row: int = 0, logits_rows: torch.Tensor | None = None,
+                     return_attn_outputs: bool = False,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The masked forward restarted at ``layer`` from an unmasked ``trace``: equal to
+        ``forward(ids, attn_mask)`` provided the mask changes nothing before ``layer`` and nothing for
+        rows before ``start_row`` (those rows' states, keys and values are taken from ``base``; the
+        mask's rows < start_row are ignored). Only rows ``start_row..T-1`` are recomputed.
+
+        logits_rows: absolute row indices (each >= start_row) to return logits for (default: all
+        recomputed rows). return_attn_outputs: also the attention outputs of layers
+        ``layer..n_layer-1`` for the recomputed rows, [n_layer - layer, T - start_row, n_head*head_dim].
+        """
+        T = base.ids.numel()
+        if not 0 <= layer < self.n_layer:
+            raise ReferenceInputError(f"layer must be in [0, {self.n_layer}), got {layer}")
+        if not 0 <= start_row < T:
+            raise ReferenceInputError(f"start_row must be in [0, {T}), got {start_row}")
+        _, mask, pos = self._check_inputs(base.ids, attn_mask, base.positions)
+        rope = self._rope_tables(pos)
+        x = base.hidden[layer][start_row:]
+        attn_outs: list[torch.Tensor] = []
+        for il in range(layer, self.n_layer):
+            user = None if mask is None else mask[il][start_row:]
+            x, o, _, _ = self._layer(il, x, pos, start_row, user, rope, base.k[il], base.v[il])
+            if return_attn_outputs:
+                attn_outs.append(o)
+        if logits_rows is not None:
+            rows = torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)
+            if rows.numel() and int(rows.min()) < start_row:
+                raise ReferenceInputError(f"logits_rows must be >= start_row ({start_row})")
+            x = x[rows - start_row]
+        logits = self._head(x)
         if return_attn_outputs:
             return logits, torch.stack(attn_outs)
         return logits

@@ -67,10 +67,14 @@ def info(gguf: GgufOption = None, load: Annotated[bool, typer.Option(
 
 def _register_optional_commands() -> None:
     """Subcommands owned by other modules, mounted here so the CLI stays one place to look."""
+    from .calibration.cli import calibrate_command
+    from .eval.cli import eval_command
     from .run_cli import run_command
     from .tui.cli import tui_command
 
     app.command("run")(run_command)
+    app.command("eval")(eval_command)
+    app.command("calibrate")(calibrate_command)
     app.command("tui")(tui_command)
 
 

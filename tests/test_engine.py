@@ -28,7 +28,7 @@ def model(gemma_path) -> Model:
     return Model(gemma_path)
 
 
-def run(model, method, budget, example="get_weather.json", trace=None, max_tokens=96):
+def run(model, method, budget, example="get_weather.json", trace=None, max_tokens=200):
     request, parallel = EXAMPLES[example]
     tools = read_tools(REPO / "examples" / example)
     engine = Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=max_tokens))

@@ -90,7 +90,7 @@ def _pask_policy(n_layer=4):
 
 def test_pask_keeps_protected_classes_and_oldest_go_first():
     classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 60 + [class_index(C.QUERY)] * 19)
-    method = PASK(_pask_policy())
+    method = PASK(_pask_policy(), recent=0)
     caps = method.capacities(0.4, classes, 4)
     assert caps[0] == caps[1] and caps[2] == caps[3]
     kept0 = method.select(view(80, classes=classes, layer=0), caps[0])
@@ -111,3 +111,11 @@ def test_protected_window_larger_than_capacity_keeps_newest():
     v = view(100, RNG.random(100), prompt_len=100)
     kept = SnapKV(window=32).select(v, 10)
     assert kept.tolist() == list(range(90, 100))
+
+
+def test_pask_always_keeps_the_recent_window():
+    classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 79)
+    method = PASK(_pask_policy(), recent=8)
+    caps = method.capacities(0.4, classes, 4)
+    kept = method.select(view(80, classes=classes, layer=0), caps[0])
+    assert set(range(72, 80)) <= set(kept.tolist()) and 0 in kept and len(kept) == caps[0]

@@ -51,6 +51,8 @@ class EngineConfig:
     n_ctx: int = 0                # 0: prompt + max_tokens
     probe_window: int = 32        # observation window (SnapKV) / queries per window statistic
     style: str = "auto"           # prompt style: auto | plain | chat
+    max_string: int | None = 128  # characters per string value (bounds runaway strings)
+    max_calls: int | None = 8     # calls in a parallel list
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Engine:
     def run(self, tools: Any, request: str, parallel: bool = False,
             examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None) -> EngineResult:
         specs = as_tools(tools)
-        grammar = build_grammar(specs, parallel)
+        grammar = build_grammar(specs, parallel, max_string=self.cfg.max_string, max_calls=self.cfg.max_calls)
         prompt = render_prompt(self.model, specs, request, examples=examples, parallel=parallel,
                                style=self.cfg.style)
         n_prompt = len(prompt.tokens)

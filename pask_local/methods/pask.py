@@ -1,7 +1,9 @@
 """PASK: keep, per layer group, each structural class's share given by a compiled policy.
 
-Within a group g, class c keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in
-the policy's ``never_evict`` keep all); within a class the oldest go first. If rounding leaves the
+The ``recent`` newest positions are always kept (local context: the end of the prompt while
+prefilling, the call being written while decoding). Among the rest, within a group g, class c
+keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the policy's
+``never_evict`` keep all); within a class the oldest go first. If rounding leaves the
 layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up their oldest
 tokens first; if it leaves room, the most protective evicted tokens come back (newest first).
 Only this lookup runs online: no attention statistics are needed.
@@ -24,8 +26,10 @@ _RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> pr
 class PASK(Method):
     name = "pask"
 
-    def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0) -> None:
+    def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
+                 recent: int = 32) -> None:
         self.policy = policy
+        self.recent = recent
         self.swa_layers = swa_layers
         self.window = window
         self.group_of = policy.group_of_layer()
@@ -49,18 +53,26 @@ class PASK(Method):
             return np.sort(pos)
         keep_frac = self.compiled.keep[self.group_of[view.layer]]
         totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
-        kept = np.zeros(len(pos), dtype=bool)
+        never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
+        recent = never.copy()  # never-evict classes first, then the newest others
+        n_recent = max(0, min(self.recent, capacity - int(never.sum())))
+        if n_recent:
+            others = np.flatnonzero(~never)
+            recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
+        kept = recent.copy()
         for ci in np.unique(cls):
-            members = np.flatnonzero(cls == ci)
+            of_class = cls == ci
+            members = np.flatnonzero(of_class & ~kept)
             c = _ALL[ci]
-            want = len(members) if c in self.policy.never_evict else math.ceil(keep_frac[c] * totals[ci] - 1e-9)
-            want = min(want, len(members))
+            target = int(of_class.sum()) if c in self.policy.never_evict else math.ceil(
+                keep_frac[c] * totals[ci] - 1e-9)
+            want = min(max(0, target - int((of_class & kept).sum())), len(members))
             if want:
                 newest = members[np.argsort(pos[members])[-want:]]
                 kept[newest] = True
         # rank: protection rank, then age (older = evicted first / restored last)
         if kept.sum() > capacity:
-            idx = np.flatnonzero(kept)
+            idx = np.flatnonzero(kept & ~recent)
             order = np.lexsort((pos[idx], -_RANK[cls[idx]]))  # least protective, oldest first
             kept[idx[order[: kept.sum() - capacity]]] = False
         elif kept.sum() < capacity:

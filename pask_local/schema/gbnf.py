@@ -165,15 +165,20 @@ class _Builder:
         return self.add(f"t{i}-call", f'{name_rule} ", \\"arguments\\": " {args}')
 
 
-def build_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int | None = None) -> CallGrammar:
+def build_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int | None = None,
+                  max_calls: int | None = None) -> CallGrammar:
     """The GBNF grammar for a call (or a list of calls with ``parallel``) to one of ``tools``.
 
-    ``max_string`` bounds the characters of every string value (None: unbounded).
+    ``max_string`` bounds the characters of every string value, ``max_calls`` the length of a
+    parallel list (None: unbounded).
     """
+    if max_calls is not None and max_calls < 1:
+        raise ValueError("max_calls must be >= 1")
     b = _Builder(tools, max_string)
     calls = [b.call(i, t) for i, t in enumerate(tools)]
     b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
     b.add("char", CHAR_RULE.split("::=", 1)[1].strip())
-    root = '"[" call (", " call)* "]"' if parallel else "call"
+    more = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
+    root = f'"[" call (", " call){more} "]"' if parallel else "call"
     lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in b.rules.items()]
     return CallGrammar(text="\n".join(lines) + "\n", tools=tools, parallel=parallel, roles=b.roles)

@@ -1,0 +1,124 @@
+"""Turns a BFCL case into a teacher-forcing case: prompt + gold call tokens, one class per token.
+
+The prompt is exactly what the engine and the eval harness decode for the case (``make_task`` then
+``render_prompt``: same examples, call shape and style). The gold continuation is the call our
+grammar would emit for the case's reference answer (``eval.reference.reference_calls``): compact
+JSON with ``", "`` / ``": "`` separators, required properties first then optional ones, each in
+schema order, tokenised with llama.cpp. Its tokens are accepted into the call grammar and tagged
+by ``CallTagger``, as the engine tags generated tokens; a gold call the grammar rejects (a dataset
+answer outside the schema) makes the case unusable (``CaseSkipped`` with the reason).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pask_local.classes import StructuralClass
+from pask_local.errors import NativeError, PaskError, SchemaError
+from pask_local.eval.data import Case
+from pask_local.eval.prompting import make_task
+from pask_local.eval.reference import reference_calls, unsatisfiable
+from pask_local.grammar.state import GrammarState
+from pask_local.llm import Model
+from pask_local.schema.gbnf import build_grammar
+from pask_local.schema.tools import ToolSpec, load_tools
+from pask_local.tagging.generated import CallTagger
+from pask_local.tagging.prompt import render_prompt
+
+
+class CaseSkipped(PaskError):
+    """A case cannot serve as a teacher-forcing calibration case (the message says why)."""
+
+
+@dataclass
+class TFCase:
+    """Token ids of prompt + gold continuation, one structural class per token."""
+
+    tokens: list[int]
+    classes: list[StructuralClass]
+    n_prompt: int
+    id: str = ""
+    category: str = ""
+    gold: str = ""
+
+    @property
+    def n_cont(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.classes):
+            raise PaskError(f"case {self.id}: {len(self.tokens)} tokens but {len(self.classes)} classes")
+        if not 0 < self.n_prompt < len(self.tokens):
+            raise PaskError(f"case {self.id}: needs a non-empty prompt and continuation")
+
+
+def order_like_schema(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` with object keys in the grammar's order (required first, then optional, schema order)."""
+    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
+        props = schema["properties"]
+        req = [k for k in props if k in schema.get("required", [])]
+        opt = [k for k in props if k not in req]
+        keys = [k for k in req + opt if k in value] + [k for k in value if k not in props]
+        return {k: order_like_schema(value[k], props.get(k, {})) for k in keys}
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [order_like_schema(v, schema["items"]) for v in value]
+    return value
+
+
+def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> str:
+    """The JSON text our grammar emits for ``calls`` (a list when ``parallel``)."""
+    by_name = {t.name: t for t in tools}
+    out = []
+    for call in calls:
+        tool = by_name.get(call["name"])
+        if tool is None:
+            raise CaseSkipped(f"gold call names an unknown tool {call['name']!r}")
+        out.append({"name": call["name"], "arguments": order_like_schema(call["arguments"], tool.parameters)})
+    if parallel:
+        return json.dumps(out, ensure_ascii=False)
+    if len(out) != 1:
+        raise CaseSkipped(f"{len(out)} gold calls for a single-call case")
+    return json.dumps(out[0], ensure_ascii=False)
+
+
+def tag_continuation(model: Model, tools: list[ToolSpec], parallel: bool, text: str) -> tuple[list[int], list[StructuralClass]]:
+    """Tokenise ``text`` and tag each token through the call grammar (CaseSkipped if it rejects)."""
+    tokens = model.tokenize(text, add_special=False, parse_special=False)
+    grammar = build_grammar(tools, parallel)
+    state = GrammarState(model.vocab, grammar.text)
+    try:
+        tagger = CallTagger(model, grammar, state)
+        classes = []
+        for tok in tokens:
+            try:
+                classes.append(tagger.accept(tok, model.piece(tok)))
+            except NativeError:
+                raise CaseSkipped(f"the grammar rejects the gold call at token {len(classes)}") from None
+        if not state.is_done():
+            raise CaseSkipped("the gold call does not complete the grammar")
+    finally:
+        state.close()
+    return tokens, classes
+
+
+def build_case(model: Model, case: Case, use_examples: bool = True, max_tokens: int = 0) -> TFCase:
+    """The teacher-forcing case for ``case`` (CaseSkipped when it cannot be one)."""
+    if case.answer is None:
+        raise CaseSkipped("no possible answer")
+    why = unsatisfiable(case.functions, case.answer)
+    if why:
+        raise CaseSkipped(f"unsatisfiable answer: {why}")
+    task = make_task(case, use_examples)
+    try:
+        tools = load_tools(task.functions)
+    except SchemaError as exc:
+        raise CaseSkipped(f"schema not supported: {exc}") from None
+    text = gold_call_text(tools, reference_calls(task.functions, case.answer), task.parallel)
+    prompt = render_prompt(model, tools, task.request, examples=task.examples, parallel=task.parallel)
+    cont, cont_classes = tag_continuation(model, tools, task.parallel, text)
+    if max_tokens and len(prompt.tokens) + len(cont) > max_tokens:
+        raise CaseSkipped(f"{len(prompt.tokens) + len(cont)} tokens > max {max_tokens}")
+    return TFCase(tokens=list(prompt.tokens) + cont, classes=list(prompt.classes) + cont_classes,
+                  n_prompt=len(prompt.tokens), id=case.id, category=case.category, gold=text)

@@ -1,0 +1,201 @@
+"""``pask-local calibrate``: measure the calibration signals on BFCL's calib split and write a policy.
+
+Cases come from the calibration split only (``eval.split``), taken round-robin over the requested
+categories, each category in a fixed hash order (``sha256("pask-calib-order-v1:" + id)``), so a run
+with ``--cases N`` is a deterministic prefix of a run with more cases. Every measured (or skipped)
+case is appended as one JSON line to the cache (default: ``<out>.cases.jsonl``); a rerun with the
+same model and settings skips the cases already there, so an interrupted run resumes. The policy is
+then fitted from all cached cases of the selection (``policy_fit``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pask_local.errors import PaskError
+from pask_local.policy.schema import Policy, contiguous_groups
+
+from .policy_fit import FitRule, fit_policy, summary_rows
+
+ORDER_SALT = "pask-calib-order-v1:"
+CACHE_VERSION = 1
+
+
+class CalibrationError(PaskError):
+    """Bad input to ``pask-local calibrate`` or an unusable measurement cache."""
+
+
+def _order_key(case_id: str) -> str:
+    return hashlib.sha256((ORDER_SALT + case_id).encode()).hexdigest()
+
+
+def calib_cases(categories: list[str] | None) -> list:
+    """All calibration-split cases of ``categories``, interleaved round-robin in hash order."""
+    from pask_local.eval.data import CATEGORIES, canonical_category, load_bundled
+    from pask_local.eval.split import select
+
+    names = [n for c in (categories or list(CATEGORIES)) for n in c.split(",") if n.strip()]
+    cats = list(dict.fromkeys(canonical_category(c) for c in (names or list(CATEGORIES))))
+    pools = [sorted(select(load_bundled(c), "calib"), key=lambda x: _order_key(x.id)) for c in cats]
+    out = []
+    for i in range(max((len(p) for p in pools), default=0)):
+        out += [p[i] for p in pools if i < len(p)]
+    return out
+
+
+def _settings(model_sha: str, groups: list[list[int]], chunk: int, dtype: str, use_examples: bool) -> dict[str, Any]:
+    return {"cache_version": CACHE_VERSION, "model_sha256": model_sha, "groups": groups, "chunk": chunk,
+            "dtype": dtype, "examples": use_examples}
+
+
+def read_cache(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """id -> record of a cache file written with ``settings`` (CalibrationError on a mismatch)."""
+    records: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return records
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(path.read_text().splitlines()):
+                continue          # a line cut short by an interrupted run: measured again
+            raise CalibrationError(f"{path}:{lineno}: not a calibration cache line") from None
+        if not isinstance(rec, dict) or "id" not in rec or "settings" not in rec:
+            raise CalibrationError(f"{path}:{lineno}: not a calibration cache line")
+        if rec["settings"] != settings:
+            raise CalibrationError(
+                f"{path} was measured with other settings (model, groups, chunk, dtype or examples); "
+                "pass another --cache or delete it")
+        records[rec["id"]] = rec
+    return records
+
+
+def calibrate_command(gguf: Path | None, categories: list[str] | None, cases: int, out: Path,
+                      groups: int = 4, *, chunk: int = 64, cache: Path | None = None, threads: int = 1,
+                      dtype: str = "float32", max_tokens: int = 2048, max_minutes: float = 0.0,
+                      use_examples: bool = True, rule: FitRule | None = None,
+                      quiet: bool = False) -> Policy:
+    """Measure up to ``cases`` calib cases (resuming from the cache), fit and save the policy to ``out``.
+
+    gguf: model file (None: the embedded Gemma 3 270M). categories: BFCL categories, entries may be
+    comma-separated (None or empty: all 8).
+    groups: number of contiguous layer groups. chunk: the engine's prefill chunk. threads: torch
+    threads. dtype: float32 | bfloat16 (reference compute). max_tokens: skip longer cases.
+    max_minutes: stop measuring new cases after this much time (0: no limit) and fit what is cached.
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from pask_local.llm import Model
+    from pask_local.models import check_gguf, default_model_path, file_sha256
+
+    from .cases import CaseSkipped, build_case
+    from .reference import ReferenceModel
+    from .signals import measure_case, n_cells
+
+    console = Console(stderr=True, quiet=quiet)
+    if cases <= 0:
+        raise CalibrationError("--cases must be a positive number")
+    if groups <= 0:
+        raise CalibrationError("--groups must be a positive number")
+    if chunk <= 0:
+        raise CalibrationError("--chunk must be a positive number")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise CalibrationError(f"--dtype must be one of {', '.join(dtypes)}")
+    if out.suffix != ".json":
+        raise CalibrationError(f"--out must name a .json policy file, got {out}")
+    if out.parent and not out.parent.exists():
+        raise CalibrationError(f"output directory does not exist: {out.parent}")
+    rule = rule or FitRule()
+    rule.check()
+    path = check_gguf(Path(gguf)) if gguf is not None else default_model_path()
+    pool = calib_cases(categories)
+    if not pool:
+        raise CalibrationError("no calibration cases in the selected categories")
+    cache = cache or out.with_suffix(".cases.jsonl")
+    torch.set_num_threads(max(1, threads))
+
+    model = Model(path)
+    sha = file_sha256(path)
+    layer_groups = contiguous_groups(model.n_layer, groups)
+    settings = _settings(sha, layer_groups, chunk, dtype, use_examples)
+    done = read_cache(cache, settings)
+    measured = [c for c in pool if c.id in done and "cells" in done[c.id]]
+    t0 = time.monotonic()
+    ref: ReferenceModel | None = None
+    want = min(cases, len(pool))
+    with Progress(TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        task = progress.add_task("", total=want, completed=min(len(measured), want))
+        for case in pool:
+            n_have = sum(1 for c in pool if c.id in done and "cells" in done[c.id])
+            if n_have >= want:
+                break
+            if case.id in done:
+                continue
+            if max_minutes and time.monotonic() - t0 > max_minutes * 60:
+                console.print(f"[yellow]time limit of {max_minutes:g} min reached: fitting {n_have} case(s)")
+                break
+            rec: dict[str, Any] = {"id": case.id, "category": case.category, "settings": settings}
+            try:
+                tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens)
+            except CaseSkipped as exc:
+                rec["skipped"] = str(exc)
+            else:
+                if ref is None:
+                    progress.update(task, description="loading the torch reference")
+                    ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
+                total = n_cells(tc, len(layer_groups))
+                state = {"n": 0}
+
+                def tick(case_id: str = case.id, total: int = total, state: dict = state) -> None:
+                    state["n"] += 1
+                    progress.update(task, description=f"{case_id} cell {state['n']}/{total}")
+
+                progress.update(task, description=f"{case.id} ({len(tc.tokens)} tokens)")
+                sig = measure_case(ref, tc, layer_groups, chunk=chunk, on_cell=tick)
+                rec.update(sig.to_json())
+                progress.advance(task)
+            with cache.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            done[case.id] = rec
+    records = [done[c.id] for c in pool if c.id in done and "cells" in done[c.id]][:want]
+    if not records:
+        raise CalibrationError("no case could be measured (all skipped); see the cache for the reasons")
+    provenance = {
+        "model_file": path.name, "model_sha256": sha, "arch": model.arch, "n_layer": model.n_layer,
+        "data": "BFCL v4 (bfcl-eval)", "split": "calib",
+        "categories": sorted({r["category"] for r in records}),
+        "n_cases": len(records),
+        "cases_per_category": {cat: sum(1 for r in records if r["category"] == cat)
+                               for cat in sorted({r["category"] for r in records})},
+        "n_skipped": sum(1 for c in pool if c.id in done and "skipped" in done[c.id]),
+        "date": _dt.date.today().isoformat(),
+        "chunk": chunk, "reference_dtype": dtype, "few_shot_examples": use_examples, "max_tokens": max_tokens,
+        "command": (f"pask-local calibrate --gguf {path.name} --categories {','.join(dict.fromkeys(c.category for c in pool))} "
+                    f"--cases {cases} --groups {groups} --max-tokens {max_tokens}"),
+    }
+    policy = fit_policy(records, layer_groups, rule, provenance)
+    policy.save(out)
+    measured, fitted = summary_rows(policy)
+    for title, rows in ((f"measured on {len(records)} calib case(s): dNLL (nats/token) / distortion per "
+                         "evicted token", measured), ("policy: floor / weight", fitted)):
+        table = Table(title=title)
+        table.add_column("class")
+        for g, layers in enumerate(layer_groups):
+            table.add_column(f"g{g} (L{layers[0]}-{layers[-1]})", justify="right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    console.print(f"policy written to {out} (cache {cache})")
+    return policy

@@ -1,0 +1,184 @@
+"""Fits a calibrated persistence policy from per-case signal measurements (the documented rules).
+
+Input: per-case records of ``signals.measure_case`` (``dnll`` and ``distortion`` per (group, class)).
+Each (group g, class c) cell is summarised over the cases where c is present: mean and standard
+error of the NLL increase, mean distortion per evicted token.
+
+Floors (task-error sensitivity), per cell, from the mean NLL increase ``d`` (nats per gold token):
+  floor = ``floor_hi`` (1.0) if d >= ``tau_hi``; ``floor_lo`` (0.5) if d >= ``tau_lo``; else 0.
+Floor cap: the floors must leave room under small budgets. Their expected KV mass, the sum over
+cells of floor x (share of c in the calib sequences) x (share of layers in g), plus the sinks, is
+kept <= ``floor_cap``: while it is above, the floored cell with the least NLL increase per unit of
+KV mass it protects steps down one level (1.0 -> 0.5 -> 0). Every step is listed in the provenance.
+Weights (attention-output distortion): weight = mean distortion per evicted token / the largest
+such mean over all cells, at least ``min_weight``; a class never seen in calibration gets
+``min_weight`` in every group. The engine's compile step then water-fills the budget left after
+the floors by these weights (``pask_local.policy.compile``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pask_local.classes import StructuralClass
+from pask_local.errors import PaskError
+from pask_local.policy.schema import Policy
+
+NEVER_EVICT = (StructuralClass.SINK,)
+
+
+class FitError(PaskError):
+    """Bad fit thresholds or no usable measurements."""
+
+
+@dataclass
+class FitRule:
+    tau_hi: float = 0.10          # nats per gold token: full floor at or above
+    tau_lo: float = 0.03          # half floor at or above
+    floor_hi: float = 1.0
+    floor_lo: float = 0.5
+    floor_cap: float = 0.15       # max expected KV share held by floors (incl. sinks)
+    min_weight: float = 0.02
+
+    def check(self) -> None:
+        if not 0 <= self.tau_lo <= self.tau_hi:
+            raise FitError(f"need 0 <= tau_lo ({self.tau_lo}) <= tau_hi ({self.tau_hi})")
+        if not 0 <= self.floor_lo <= self.floor_hi <= 1:
+            raise FitError("need 0 <= floor_lo <= floor_hi <= 1")
+        if not 0 < self.floor_cap <= 1:
+            raise FitError(f"floor_cap must be in (0, 1], got {self.floor_cap}")
+        if not 0 <= self.min_weight <= 1:
+            raise FitError(f"min_weight must be in [0, 1], got {self.min_weight}")
+
+
+@dataclass
+class Cell:
+    dnll: float
+    dnll_sem: float
+    distortion: float
+    n_cases: int
+
+
+def summarise(records: Sequence[dict[str, Any]], n_groups: int) -> dict[tuple[int, StructuralClass], Cell]:
+    """(group, class) -> Cell over the records where the class was measured."""
+    acc: dict[tuple[int, StructuralClass], tuple[list[float], list[float]]] = {}
+    for rec in records:
+        for cell in rec["cells"]:
+            g = int(cell["group"])
+            if not 0 <= g < n_groups:
+                raise FitError(f"case {rec.get('id')}: group {g} outside 0..{n_groups - 1}")
+            key = (g, StructuralClass(cell["class"]))
+            d, x = acc.setdefault(key, ([], []))
+            d.append(float(cell["dnll"]))
+            x.append(float(cell["distortion"]))
+    out = {}
+    for key, (d, x) in acc.items():
+        n = len(d)
+        mean = sum(d) / n
+        sem = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n) if n > 1 else float("nan")
+        out[key] = Cell(mean, sem, sum(x) / n, n)
+    return out
+
+
+def class_shares(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, float]:
+    """Mean share of each class among all tokens (prompt + gold call) of the records."""
+    shares = {c: 0.0 for c in StructuralClass}
+    for rec in records:
+        total = sum(rec["counts"].values())
+        for name, n in rec["counts"].items():
+            shares[StructuralClass(name)] += n / total / len(records)
+    return shares
+
+
+def floor_mass(floors: list[dict[StructuralClass, float]], groups: list[list[int]],
+               shares: dict[StructuralClass, float]) -> float:
+    """Expected share of full KV that ``floors`` hold (never-evicted classes count as floor 1)."""
+    n_layer = sum(len(g) for g in groups)
+    mass = 0.0
+    for g, layers in enumerate(groups):
+        for c, share in shares.items():
+            f = 1.0 if c in NEVER_EVICT else floors[g].get(c, 0.0)
+            mass += f * share * len(layers) / n_layer
+    return mass
+
+
+def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule: FitRule,
+               provenance: dict[str, Any]) -> Policy:
+    """The calibrated Policy (see the module docstring for the rules)."""
+    rule.check()
+    if not records:
+        raise FitError("no measured cases to fit a policy from")
+    n_groups = len(groups)
+    n_layer = sum(len(g) for g in groups)
+    cells = summarise(records, n_groups)
+    shares = class_shares(records)
+
+    floors = [{c: 0.0 for c in StructuralClass} for _ in groups]
+    for (g, c), cell in cells.items():
+        if cell.dnll >= rule.tau_hi:
+            floors[g][c] = rule.floor_hi
+        elif cell.dnll >= rule.tau_lo:
+            floors[g][c] = rule.floor_lo
+    demoted = []
+    while floor_mass(floors, groups, shares) > rule.floor_cap + 1e-12:
+        floored = [(g, c) for g in range(n_groups) for c in StructuralClass
+                   if floors[g][c] > 0 and c not in NEVER_EVICT]
+        if not floored:
+            break
+
+        def value(key: tuple[int, StructuralClass]) -> float:
+            g, c = key
+            cost = shares[c] * len(groups[g]) / n_layer
+            return cells[key].dnll / cost if cost > 0 else math.inf
+
+        g, c = min(floored, key=value)
+        new = rule.floor_lo if floors[g][c] > rule.floor_lo else 0.0
+        demoted.append({"group": g, "class": c.value, "from": floors[g][c], "to": new})
+        floors[g][c] = new
+
+    top = max((cell.distortion for cell in cells.values()), default=0.0)
+    weights = [{c: rule.min_weight for c in StructuralClass} for _ in groups]
+    for (g, c), cell in cells.items():
+        weights[g][c] = max(rule.min_weight, cell.distortion / top) if top > 0 else rule.min_weight
+    for c in NEVER_EVICT:
+        for g in range(n_groups):
+            floors[g][c] = 1.0
+
+    prov = dict(provenance)
+    prov["fit_rule"] = {**asdict(rule), "statistic": "mean over calib cases where the class is present",
+                        "doc": "calibration/policy_fit.py"}
+    prov["floor_mass"] = round(floor_mass(floors, groups, shares), 4)
+    prov["floor_cap_demotions"] = demoted
+    prov["class_shares"] = {c.value: round(s, 4) for c, s in shares.items() if s > 0}
+    prov["measurements"] = [
+        {"group": g, "class": c.value, "dnll_mean": round(cell.dnll, 5), "dnll_sem": _r(cell.dnll_sem),
+         "distortion_mean": round(cell.distortion, 6), "n_cases": cell.n_cases}
+        for (g, c), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], list(StructuralClass).index(kv[0][1])))
+    ]
+    return Policy(groups=groups, floors=floors, weights=[{c: round(w, 4) for c, w in t.items()} for t in weights],
+                  kind="calibrated", never_evict=NEVER_EVICT, provenance=prov)
+
+
+def _r(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 5)
+
+
+def summary_rows(policy: Policy) -> tuple[list[list[str]], list[list[str]]]:
+    """Two tables' rows (one per measured class, one column per group) from a calibrated policy:
+    'dNLL / distortion per token' and 'floor / weight'."""
+    meas = {(m["group"], m["class"]): m for m in policy.provenance.get("measurements", [])}
+    measured, fitted = [], []
+    for c in StructuralClass:
+        if not any((g, c.value) in meas for g in range(policy.n_groups)):
+            continue
+        mrow, frow = [c.value], [c.value]
+        for g in range(policy.n_groups):
+            m = meas.get((g, c.value))
+            mrow.append(f"{m['dnll_mean']:+.3f} / {m['distortion_mean']:.4f}" if m else "-")
+            frow.append(f"{policy.floors[g][c]:.1f} / {policy.weights[g][c]:.2f}")
+        measured.append(mrow)
+        fitted.append(frow)
+    return measured, fitted

@@ -1,0 +1,81 @@
+"""The ``pask-local eval`` command: BFCL accuracy of Full KV and the KV-budget methods.
+
+Mounted by ``pask_local/cli.py`` with ``app.command("eval")(eval_command)``. Writes to ``--out``:
+``cases.jsonl`` (one record per case x method x budget; rerunning skips finished ones),
+``summary.json``, ``results.md`` (accuracy per category x method x budget, average, retention)
+and ``accuracy.png``. Bad input is a one-line ``PaskError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ..errors import PaskError
+from .data import CATEGORIES, canonical_category
+from .generator import KNOWN_METHODS
+from .split import check_split
+
+DEFAULT_CATEGORIES = ",".join(CATEGORIES)
+
+
+def _split_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def eval_command(
+    categories: Annotated[str | None, typer.Option(
+        help=f"Comma-separated BFCL categories (default: all of {DEFAULT_CATEGORIES}; "
+             "with --dataset: all categories in the file).", show_default=False)] = None,
+    methods: Annotated[str, typer.Option(help=f"Comma-separated methods: {', '.join(KNOWN_METHODS)}.")] = "full",
+    budgets: Annotated[str, typer.Option(help="Comma-separated KV budgets in (0, 1] (methods other than full).")
+                       ] = "0.33",
+    gguf: Annotated[str | None, typer.Option(
+        "--gguf", help="GGUF model: a local path or hf://owner/repo/file.gguf. Default: the embedded "
+        "Gemma 3 270M (base, Q4_K_M).", show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option(help="At most N cases per category (first N of the split).",
+                                              show_default=False)] = None,
+    split: Annotated[str, typer.Option(help="Which split: eval (75%), calib (25%; by hashed case id) or all.")] = "eval",
+    dataset: Annotated[Path | None, typer.Option(
+        help="Your own cases in BFCL's format (JSONL or a JSON array), answers inline as 'ground_truth'.",
+        show_default=False)] = None,
+    answers: Annotated[Path | None, typer.Option(
+        help="Possible answers for --dataset in a second file ({id, ground_truth} per line).",
+        show_default=False)] = None,
+    out: Annotated[Path, typer.Option(help="Output directory (reused to resume).")] = Path("results"),
+    max_tokens: Annotated[int, typer.Option(help="Generation limit per case.")] = 256,
+    examples: Annotated[bool, typer.Option("--examples/--no-examples",
+                                           help="Few-shot examples from the calibration split.")] = True,
+) -> None:
+    """Evaluate function-calling accuracy on BFCL with the official AST checker."""
+    from ..models import resolve_model
+    from .generator import check_methods
+    from .report import markdown, write_reports
+    from .runner import EvalConfig, parse_budgets, run_eval
+
+    cats = _split_list(categories) if categories else None
+    if cats is not None and dataset is None:
+        cats = [canonical_category(c) for c in cats]
+    method_list = check_methods(_split_list(methods))
+    if not method_list:
+        raise PaskError("no method given")
+    budget_list = parse_budgets(budgets)
+    check_split(split)
+    if dataset is not None and not dataset.is_file():
+        raise PaskError(f"dataset file not found: {dataset}")
+    if answers is not None and dataset is None:
+        raise PaskError("--answers needs --dataset")
+    if answers is not None and not answers.is_file():
+        raise PaskError(f"answers file not found: {answers}")
+    if max_tokens < 1:
+        raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
+    cfg = EvalConfig(gguf=resolve_model(gguf), out=out, methods=method_list, budgets=budget_list,
+                     categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
+                     max_tokens=max_tokens, use_examples=examples)
+    store, cases, runs = run_eval(cfg, Console(stderr=True))
+    summary = write_reports(store, cases, runs)
+    typer.echo(markdown(summary))
+    typer.echo(f"results in {out}/ (cases.jsonl, summary.json, results.md, accuracy.png)")

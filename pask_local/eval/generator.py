@@ -1,0 +1,208 @@
+"""The Generator protocol the harness drives, the method registry, and the two generators.
+
+A generator turns one ``Case`` into a ``GenerationOutput``. ``make_generator(method, spec)`` builds
+one by name: ``full`` is ``FullKVGenerator``; every other method (streaming, h2o, snapkv, pyramidkv,
+tova, pask) runs through the KV engine (``EngineGenerator``) at the spec's budget.
+
+Both use the same prompt renderer, grammar and greedy constrained sampler, so their outputs differ
+only through the KV cache. ``FullKVGenerator`` keeps the tokens currently in its KV cache and, for
+each case, reuses their longest common prefix with the new prompt (dropping the rest with
+``llama_memory_seq_rm``): the instructions, and the tool list when consecutive cases share it, are
+decoded once instead of once per case. A failure that belongs to the case (a schema the grammar
+builder rejects, a prompt longer than the context) is returned as ``error`` and scores invalid.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import PaskError
+from .data import Case
+from .prompting import Task, make_task
+
+KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask")
+
+
+@dataclass
+class GenerationOutput:
+    text: str                  # the generated call text (handed to the checker)
+    n_prompt: int              # prompt tokens of this case
+    n_reused: int              # prompt tokens served from the prefix cache (not decoded again)
+    n_generated: int
+    seconds: float             # wall time of this case (prompt build, prefill, decoding)
+    prefill_seconds: float
+    finish: str = ""           # grammar | eog | length | error
+    error: str | None = None   # a per-case failure (schema, context); the case scores invalid
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Generator(Protocol):
+    method: str
+    budget: float | None
+
+    def generate(self, case: Case) -> GenerationOutput: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What a generator needs: the model file, the KV budget (None for full), and run settings."""
+
+    gguf: Path
+    budget: float | None = None
+    max_tokens: int = 256
+    n_ctx: int = 8192
+    reuse_prefix: bool = True
+    use_examples: bool = True
+
+
+def check_methods(names: list[str]) -> list[str]:
+    """Validate method names (PaskError for unknown ones); duplicates removed, order kept."""
+    for name in names:
+        if name not in KNOWN_METHODS:
+            raise PaskError(f"unknown method {name!r}; choose from {', '.join(KNOWN_METHODS)}")
+    return list(dict.fromkeys(names))
+
+
+def make_generator(method: str, spec: GeneratorSpec) -> Generator:
+    check_methods([method])
+    if method == "full":
+        return FullKVGenerator(spec)
+    return EngineGenerator(method, spec)
+
+
+def _failed(error: str, t0: float, n_prompt: int = 0) -> GenerationOutput:
+    return GenerationOutput("", n_prompt, 0, 0, time.perf_counter() - t0, 0.0, "error", error)
+
+
+class FullKVGenerator:
+    """Constrained greedy decoding with the full llama.cpp KV cache and a token-prefix cache."""
+
+    method = "full"
+
+    def __init__(self, spec: GeneratorSpec) -> None:
+        from ..llm import Context, ContextConfig, Model
+
+        self.budget: float | None = None
+        self.spec = spec
+        self.model = Model(spec.gguf)
+        self.ctx = Context(self.model, ContextConfig(n_ctx=spec.n_ctx, n_batch=512))
+        self._cached: list[int] = []  # tokens whose KV sits in sequence 0 at positions 0..len-1
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.method, "n_ctx": self.spec.n_ctx, "max_tokens": self.spec.max_tokens,
+                "reuse_prefix": self.spec.reuse_prefix}
+
+    def _prefill(self, tokens: list[int]) -> int:
+        """Make the cache hold exactly ``tokens`` with logits for the last; returns the tokens reused."""
+        keep = 0
+        if self.spec.reuse_prefix:
+            limit = min(len(self._cached), len(tokens) - 1)  # decode at least one token for its logits
+            while keep < limit and self._cached[keep] == tokens[keep]:
+                keep += 1
+        if keep == 0 or not self.ctx.seq_rm(0, keep, -1):
+            self.ctx.clear()
+            keep = 0
+        self._cached = []
+        if self.ctx.decode(tokens[keep:], keep, 0, logits="last") != 0:
+            self.ctx.clear()
+            raise PaskError("llama_decode failed on the prompt")
+        self._cached = list(tokens)
+        return keep
+
+    def generate(self, case: Case) -> GenerationOutput:
+        from ..grammar.sampler import ConstrainedSampler
+        from ..grammar.state import GrammarState
+        from ..schema.gbnf import build_grammar
+        from ..schema.tools import as_tools
+        from ..tagging.prompt import render_prompt
+
+        t0 = time.perf_counter()
+        task: Task = make_task(case, self.spec.use_examples)
+        try:
+            specs = as_tools(task.functions)
+            grammar = build_grammar(specs, task.parallel)
+            prompt = render_prompt(self.model, specs, task.request, examples=task.examples, parallel=task.parallel)
+        except PaskError as exc:
+            return _failed(f"{type(exc).__name__}: {exc}", t0)
+        tokens = prompt.tokens
+        if len(tokens) + self.spec.max_tokens > self.ctx.n_ctx:
+            return _failed(f"prompt_too_long: {len(tokens)} + {self.spec.max_tokens} > {self.ctx.n_ctx}", t0,
+                           len(tokens))
+        state = GrammarState(self.model.vocab, grammar.text)
+        try:
+            sampler = ConstrainedSampler(state)
+            reused = self._prefill(tokens)
+            t_prefill = time.perf_counter() - t0
+            out: list[int] = []
+            finish = "length"
+            pos = len(tokens)
+            logits = self.ctx.logits()
+            for _ in range(self.spec.max_tokens):
+                tok = sampler.greedy(logits)
+                if self.model.is_eog(tok):
+                    finish = "eog"
+                    break
+                state.accept(tok)
+                out.append(tok)
+                if state.is_done():
+                    finish = "grammar"
+                    break
+                if self.ctx.decode([tok], pos, 0, logits="last") != 0:
+                    raise PaskError("llama_decode failed during generation")
+                self._cached.append(tok)
+                pos += 1
+                logits = self.ctx.logits()
+        finally:
+            state.close()
+        text = b"".join(self.model.piece(t) for t in out).decode("utf-8", "replace")
+        return GenerationOutput(text, len(tokens), reused, len(out), time.perf_counter() - t0, t_prefill, finish)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+
+class EngineGenerator:
+    """A KV-budget method (baseline or PASK) run through ``pask_local.engine.Engine``."""
+
+    def __init__(self, method: str, spec: GeneratorSpec) -> None:
+        from ..engine import Engine, EngineConfig, make_method
+        from ..llm import Model
+
+        if spec.budget is None:
+            raise PaskError(f"method {method!r} needs a KV budget")
+        self.method = method
+        self.budget = spec.budget
+        self.spec = spec
+        self.model = Model(spec.gguf)
+        self.engine = Engine(self.model, make_method(method, self.model),
+                             EngineConfig(budget=spec.budget, max_tokens=spec.max_tokens))
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens}
+
+    def generate(self, case: Case) -> GenerationOutput:
+        t0 = time.perf_counter()
+        task = make_task(case, self.spec.use_examples)
+        try:
+            res = self.engine.run(task.functions, task.request, parallel=task.parallel, examples=task.examples)
+        except PaskError as exc:
+            return _failed(f"{type(exc).__name__}: {exc}", t0)
+        stats = res.stats or {}
+        prefill = float(stats.get("prefill_ms", 0.0)) / 1e3
+        return GenerationOutput(res.text, len(res.prompt.tokens), 0, len(res.tokens), time.perf_counter() - t0,
+                                prefill, res.finish, None, {k: v for k, v in stats.items() if _plain(v)})
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or (isinstance(v, list) and all(isinstance(x, (int, float)) for x in v))

@@ -1,0 +1,118 @@
+"""Turns stored per-case records into the summary JSON, the markdown table and the accuracy plot.
+
+Accuracy is per category; the average is the unweighted mean over the categories evaluated (BFCL
+style). Retention is a method's accuracy divided by Full-KV accuracy on the same cases (None when
+Full KV was not run or scored 0).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .data import Case
+from .store import ResultStore, budget_key
+
+SUMMARY_FILE = "summary.json"
+TABLE_FILE = "results.md"
+PLOT_FILE = "accuracy.png"
+
+
+def _label(method: str, budget: float | None) -> str:
+    return method if budget is None else f"{method}@{budget:g}"
+
+
+def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float | None]]) -> dict[str, Any]:
+    categories = list(dict.fromkeys(c.category for c in cases))
+    rows = []
+    for method, budget in runs:
+        per_cat: dict[str, dict[str, Any]] = {}
+        seconds = 0.0
+        n_gen = n_prompt = n_reused = n_err = 0
+        for cat in categories:
+            recs = [store.records.get((c.id, method, budget_key(budget))) for c in cases if c.category == cat]
+            recs = [r for r in recs if r is not None]
+            correct = sum(1 for r in recs if r["valid"])
+            per_cat[cat] = {"n": len(recs), "correct": correct,
+                            "accuracy": correct / len(recs) if recs else None}
+            for r in recs:
+                seconds += r.get("seconds", 0.0)
+                n_gen += r.get("n_generated", 0)
+                n_prompt += r.get("n_prompt", 0)
+                n_reused += r.get("n_reused", 0)
+                n_err += r.get("error_type") == "generation_error"
+        accs = [v["accuracy"] for v in per_cat.values() if v["accuracy"] is not None]
+        rows.append({
+            "method": method, "budget": budget, "label": _label(method, budget), "categories": per_cat,
+            "average": sum(accs) / len(accs) if accs else None,
+            "n": sum(v["n"] for v in per_cat.values()), "seconds": round(seconds, 2),
+            "generated_tokens": n_gen, "prompt_tokens": n_prompt, "prompt_tokens_reused": n_reused,
+            "generation_errors": n_err,
+        })
+    full = next((r for r in rows if r["method"] == "full"), None)
+    for r in rows:
+        r["retention"] = None
+        if full is not None and full["average"]:
+            r["retention"] = r["average"] / full["average"] if r["average"] is not None else None
+        for cat, v in r["categories"].items():
+            f = full["categories"][cat]["accuracy"] if full else None
+            v["retention"] = v["accuracy"] / f if f and v["accuracy"] is not None else None
+    complete = all(r["n"] == len(cases) for r in rows)
+    return {"categories": categories, "n_cases": len(cases), "complete": complete, "runs": rows}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    cats = summary["categories"]
+    head = ["method", *cats, "average", "retention", "cases", "time (s)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary["runs"]:
+        cells = [r["label"], *(_pct(r["categories"][c]["accuracy"]) for c in cats), _pct(r["average"]),
+                 "-" if r["retention"] is None else f"{r['retention']:.3f}", str(r["n"]), f"{r['seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    counts = ", ".join(f"{c}: {summary['runs'][0]['categories'][c]['n']}" for c in cats) if summary["runs"] else ""
+    lines += ["", f"Accuracy in % (BFCL AST checker); average = mean over categories; retention = average / "
+              f"Full-KV average. Cases per category: {counts}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_method: dict[str, list[tuple[float, float]]] = {}
+    for r in summary["runs"]:
+        if r["average"] is None:
+            continue
+        if r["budget"] is None:
+            ax.axhline(100 * r["average"], linestyle="--", color="black", label=f"{r['method']} (100% KV)")
+        else:
+            by_method.setdefault(r["method"], []).append((r["budget"], 100 * r["average"]))
+    for method, pts in by_method.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xlabel("KV budget (fraction of full cache)")
+    ax.set_ylabel("accuracy, mean over categories (%)")
+    ax.set_title(f"BFCL AST accuracy ({summary['n_cases']} cases)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(store: ResultStore, cases: list[Case], runs: list[tuple[str, float | None]]) -> dict[str, Any]:
+    summary = summarize(store, cases, runs)
+    (store.dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (store.dir / TABLE_FILE).write_text(markdown(summary))
+    plot(summary, store.dir / PLOT_FILE)
+    return summary

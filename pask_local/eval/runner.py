@@ -1,0 +1,159 @@
+"""Drives an evaluation: selects cases, runs every (method, budget) over them, scores, stores.
+
+``run_eval`` loads the cases (bundled categories or ``--dataset``), keeps those of the requested
+split, applies the per-category ``limit`` (first N in file order), then for each (method, budget)
+generates and scores the cases the result store does not hold yet. A generator is only built when
+it has work, so a finished run re-reports without loading the model. A rich progress bar shows the
+count, the running accuracy and the ETA.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from ..errors import PaskError
+from .checker import score_output
+from .data import Case, load_cases
+from .generator import Generator, GeneratorSpec, check_methods, make_generator
+from .prompting import pick_examples
+from .split import select
+from .store import ResultStore
+
+ERROR_TEXT_LIMIT = 500
+
+
+@dataclass
+class EvalConfig:
+    gguf: Path
+    out: Path
+    methods: list[str] = field(default_factory=lambda: ["full"])
+    budgets: list[float] = field(default_factory=lambda: [0.33])
+    categories: list[str] | None = None
+    limit: int | None = None
+    split: str = "eval"
+    dataset: Path | None = None
+    answers: Path | None = None
+    max_tokens: int = 256
+    n_ctx: int = 8192
+    use_examples: bool = True
+
+
+def parse_budgets(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            b = float(part)
+        except ValueError:
+            raise PaskError(f"bad budget {part!r}: expected numbers in (0, 1], e.g. 0.33,0.5") from None
+        if not 0.0 < b <= 1.0:
+            raise PaskError(f"bad budget {part!r}: a KV budget is a fraction in (0, 1]")
+        out.append(b)
+    if not out:
+        raise PaskError("no budget given")
+    return list(dict.fromkeys(out))
+
+
+def runs_of(methods: list[str], budgets: list[float]) -> list[tuple[str, float | None]]:
+    """(method, budget) pairs: full once (no budget), every other method at every budget."""
+    runs: list[tuple[str, float | None]] = []
+    for m in check_methods(methods):
+        runs += [(m, None)] if m == "full" else [(m, b) for b in budgets]
+    return runs
+
+
+def select_cases(cfg: EvalConfig) -> list[Case]:
+    cases = select(load_cases(cfg.categories, cfg.dataset, cfg.answers), cfg.split)
+    if cfg.limit is not None:
+        if cfg.limit < 1:
+            raise PaskError(f"--limit must be at least 1, got {cfg.limit}")
+        seen: dict[str, int] = {}
+        kept = []
+        for c in cases:
+            seen[c.category] = seen.get(c.category, 0) + 1
+            if seen[c.category] <= cfg.limit:
+                kept.append(c)
+        cases = kept
+    if not cases:
+        raise PaskError(f"no cases in the {cfg.split} split for this selection")
+    return cases
+
+
+def manifest(cfg: EvalConfig) -> dict[str, Any]:
+    try:
+        bfcl_version = importlib.metadata.version("bfcl-eval")
+    except importlib.metadata.PackageNotFoundError:
+        bfcl_version = None
+    size = cfg.gguf.stat().st_size if cfg.gguf.is_file() else None
+    return {
+        "model": str(cfg.gguf), "model_bytes": size, "split": cfg.split,
+        "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
+        "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version,
+        "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
+    }
+
+
+def _record(case: Case, gen: Generator, out: Any) -> dict[str, Any]:
+    if out.error:
+        valid, error_type, errors = False, "generation_error", [out.error]
+    else:
+        score = score_output(case, out.text)
+        valid, error_type, errors = score.valid, score.error_type, score.errors
+    return {
+        "id": case.id, "category": case.category, "method": gen.method, "budget": gen.budget,
+        "output": out.text, "valid": valid, "error_type": error_type,
+        "error": str(errors)[:ERROR_TEXT_LIMIT] if errors else None,
+        "finish": out.finish, "n_prompt": out.n_prompt, "n_reused": out.n_reused,
+        "n_generated": out.n_generated, "seconds": round(out.seconds, 4),
+        "prefill_seconds": round(out.prefill_seconds, 4),
+        **({"stats": out.extra} if out.extra else {}),
+    }
+
+
+GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
+
+
+def run_eval(cfg: EvalConfig, console: Console | None = None,
+             factory: GeneratorFactory = make_generator) -> tuple[ResultStore, list[Case], list[tuple[str, float | None]]]:
+    """Generate and score every pending (case, method, budget); returns the store, cases and runs."""
+    runs = runs_of(cfg.methods, cfg.budgets)
+    cases = select_cases(cfg)
+    store = ResultStore(cfg.out, manifest(cfg))
+    pending = {run: [c for c in cases if not store.done(c.id, run[0], run[1])] for run in runs}
+    total = sum(len(v) for v in pending.values())
+    console = console or Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=total == 0) as progress:
+        task = progress.add_task("eval", total=total)
+        for (method, budget), todo in pending.items():
+            if not todo:
+                continue
+            spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples)
+            gen = factory(method, spec)
+            label = method if budget is None else f"{method}@{budget:g}"
+            n_ok = n = 0
+            try:
+                for case in todo:
+                    rec = _record(case, gen, gen.generate(case))
+                    store.add(rec)
+                    n += 1
+                    n_ok += rec["valid"]
+                    progress.update(task, advance=1, description=f"{label} acc {n_ok}/{n}")
+            finally:
+                gen.close()
+    return store, cases, runs

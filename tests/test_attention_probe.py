@@ -1,0 +1,91 @@
+"""The native attention probe (patch 0004) against an independent oracle: the torch reference's
+softmax probabilities on a synthetic Qwen3 GGUF, with different positions evicted per layer
+(layered cache, columns mapped to positions with patch 0005). Then SnapKV's selection on the
+probe's scores equals SnapKV's selection on the reference's scores."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pask_local.attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
+from pask_local.calibration.reference import ReferenceModel
+from pask_local.calibration.synthetic import write_synthetic_gguf
+from pask_local.llm import ContextConfig, Model
+from pask_local.methods import LayerView, SnapKV
+
+GGML_F32 = 0
+T, W = 48, 8
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("probe") / "q.gguf", arch="qwen3", n_layer=3, seed=3)
+    return Model(path), ReferenceModel.from_gguf(path)
+
+
+def reference_probs(ref: ReferenceModel, tokens: list[int], mask: torch.Tensor) -> list[np.ndarray]:
+    """Softmax probabilities [H, T, T] of every layer, recorded from the reference forward."""
+    seen: list[np.ndarray] = []
+    real = torch.softmax
+
+    def recording(x, dim=None, **kw):
+        out = real(x, dim=dim, **kw)
+        seen.append(out.detach().float().numpy().copy())
+        return out
+
+    torch.softmax = recording
+    try:
+        ref.forward(torch.tensor(tokens), attn_mask=mask)
+    finally:
+        torch.softmax = real
+    assert len(seen) == ref.n_layer
+    return seen
+
+
+def test_probe_matches_reference_with_per_layer_eviction(synth):
+    model, ref = synth
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, model.n_vocab, size=T).tolist()
+    first = T - W  # prefill the first part, evict per layer, then decode the observation window
+    evicted = {il: sorted(rng.choice(np.arange(1, first), size=6 + 3 * il, replace=False).tolist())
+               for il in range(model.n_layer)}
+    probe = AttentionProbe(model.n_layer, n_window=W)
+    cfg = ContextConfig(n_ctx=64, n_batch=64, type_k=GGML_F32, type_v=GGML_F32)
+    ctx = probed_layered_context(model, [64] * model.n_layer, cfg, probe)
+    assert ctx.decode(tokens[:first], 0) == 0
+    for il, pos in evicted.items():
+        ctx.evict(il, pos)
+    probe.reset()
+    assert ctx.decode(tokens[first:], first) == 0
+
+    mask = torch.ones(model.n_layer, T, T, dtype=torch.bool)
+    for il, pos in evicted.items():
+        mask[il, first:, pos] = False  # the window's queries no longer see the evicted keys
+    probs = reference_probs(ref, tokens, mask)
+    for il in range(model.n_layer):
+        cells = cell_positions(ctx, il)
+        got = {what: probe.stat(il, what) for what in (SUM, WINDOW, LAST)}
+        n = min(len(cells), len(got[SUM]))
+        want_window = probs[il][:, first:, :].sum(axis=(0, 1))  # [T] by position
+        want_last = probs[il][:, T - 1, :].mean(axis=0)
+        by_pos = {w: np.zeros(T) for w in got}
+        for j in range(n):
+            if cells[j] >= 0:
+                for w in got:
+                    by_pos[w][cells[j]] = got[w][j]
+        np.testing.assert_allclose(by_pos[WINDOW], want_window, atol=2e-4)
+        np.testing.assert_allclose(by_pos[SUM], want_window, atol=2e-4)  # one ubatch == the window
+        np.testing.assert_allclose(by_pos[LAST], want_last, atol=2e-5)
+        assert np.all(by_pos[WINDOW][evicted[il]] == 0.0)
+        # SnapKV keeps the same set whether it scores with the probe or with the reference
+        held = np.array(sorted(p for p in cells[:n] if p >= 0))
+        view = LayerView(layer=il, n_layer=model.n_layer, positions=held, classes=np.zeros(len(held), dtype=np.int64),
+                         scores=by_pos[WINDOW][held], prompt_len=T)
+        ref_view = LayerView(layer=il, n_layer=model.n_layer, positions=held,
+                             classes=np.zeros(len(held), dtype=np.int64), scores=want_window[held], prompt_len=T)
+        snap = SnapKV(window=W, kernel=3)
+        assert snap.select(view, 20).tolist() == snap.select(ref_view, 20).tolist()
+    ctx.close()
+    probe.close()

@@ -1,0 +1,93 @@
+"""``calibrate_command`` end to end on a synthetic GGUF (random weights: the numbers mean nothing,
+the pipeline does): real BFCL calib cases, real tokenizer and grammar, the resumable cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pask_local.calibration.cli import CalibrationError, calib_cases, calibrate_command
+from pask_local.calibration.synthetic import write_synthetic_gguf
+
+from pask_local.errors import PaskError
+from pask_local.eval.split import split_of
+from pask_local.policy.schema import Policy
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("cal") / "g.gguf", arch="gemma3", seed=1)
+
+
+def run(synth, out, n, **kw):
+    return calibrate_command(synth, ["simple_python", "multiple"], n, out, groups=2, max_tokens=4000,
+                             quiet=True, **kw)
+
+
+def measured_lines(cache):
+    return [json.loads(x) for x in cache.read_text().splitlines() if x.strip() and "cells" in json.loads(x)]
+
+
+def test_cases_come_from_the_calib_split_round_robin():
+    cases = calib_cases(["simple_python", "multiple"])
+    assert cases and all(split_of(c.id) == "calib" for c in cases)
+    assert [c.category for c in cases[:4]] == ["simple_python", "multiple"] * 2
+    assert [c.id for c in calib_cases(["simple_python", "multiple"])] == [c.id for c in cases]
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_policy_and_resumes_from_its_cache(synth, tmp_path):
+    out = tmp_path / "policy.json"
+    cache = tmp_path / "policy.cases.jsonl"
+    pol = run(synth, out, 1)
+    first = measured_lines(cache)
+    assert len(first) == 1 and first[0]["id"] == calib_cases(["simple_python"])[0].id
+    assert pol.kind == "calibrated" and pol.provenance["n_cases"] == 1 and pol.provenance["split"] == "calib"
+    loaded = Policy.load(out)
+    assert loaded.groups == [[0, 1], [2, 3]] and loaded.provenance["model_sha256"] == pol.provenance["model_sha256"]
+
+    # plant a marker in the cached measurement: a resumed run must use it instead of measuring again
+    lines = cache.read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["cells"][0]["dnll"] = 42.0
+    cache.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    marked = (rec["cells"][0]["group"], rec["cells"][0]["class"])
+
+    pol2 = run(synth, out, 2)
+    second = measured_lines(cache)
+    assert [r["id"] for r in second[:1]] == [first[0]["id"]] and len(second) == 2
+    assert second[1]["category"] == "multiple"                       # round-robin over categories
+    meas = {(m["group"], m["class"]): m for m in pol2.provenance["measurements"]}
+    other = [c["dnll"] for c in second[1]["cells"] if (c["group"], c["class"]) == marked]
+    assert meas[marked]["n_cases"] == 1 + len(other)
+    assert meas[marked]["dnll_mean"] == pytest.approx((42.0 + sum(other)) / (1 + len(other)), abs=1e-4)
+    assert pol2.provenance["n_cases"] == 2
+
+    # a run cut mid-line leaves a partial last line: it is ignored and measured again
+    with cache.open("a") as f:
+        f.write('{"id": "simple_py')
+    pol3 = run(synth, out, 2)
+    assert pol3.provenance["n_cases"] == 2
+
+    # the cache belongs to its settings: other groups are refused with one line
+    with pytest.raises(CalibrationError, match="other settings"):
+        calibrate_command(synth, ["simple_python"], 1, out, groups=3, max_tokens=4000, quiet=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cases": 0}, "--cases"),
+    ({"categories": ["nope"]}, "unknown category"),
+    ({"out_name": "policy.txt"}, ".json"),
+    ({"dtype": "float64"}, "--dtype"),
+])
+def test_bad_input_is_a_one_line_error(synth, tmp_path, kwargs, match):
+    out = tmp_path / kwargs.pop("out_name", "p.json")
+    args = {"categories": ["simple_python"], "cases": 1, **kwargs}
+    with pytest.raises(PaskError, match=match) as info:
+        calibrate_command(synth, args.pop("categories"), args.pop("cases"), out, quiet=True, **args)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_model_file_is_a_one_line_error(tmp_path):
+    with pytest.raises(PaskError, match="not found"):
+        calibrate_command(tmp_path / "missing.gguf", ["simple_python"], 1, tmp_path / "p.json", quiet=True)

@@ -1,0 +1,152 @@
+"""Policy fitting rules (floors from NLL increase, floor cap, weights from distortion) and the
+mapping of a calibrated policy to another layer count by relative depth."""
+
+from __future__ import annotations
+
+import pytest
+from pask_local.calibration.policy_fit import (
+    FitError,
+    FitRule,
+    class_shares,
+    fit_policy,
+    floor_mass,
+    summarise,
+)
+
+from pask_local.classes import StructuralClass as C
+from pask_local.policy.compile import compile_policy
+from pask_local.policy.schema import Policy, contiguous_groups
+from pask_local.policy.shipped import map_by_depth, nearest_calibrated
+
+GROUPS = [[0, 1], [2, 3]]
+
+
+def record(cid: str, cells: dict[tuple[int, str], tuple[float, float]], counts: dict[str, int]) -> dict:
+    return {"id": cid, "category": "simple_python", "counts": counts,
+            "cells": [{"group": g, "class": c, "dnll": d, "distortion": x} for (g, c), (d, x) in cells.items()]}
+
+
+COUNTS = {"sink": 1, "query": 10, "description": 40, "tool_name": 4, "gen_struct": 10, "template": 35}
+
+
+def two_cases(query=(0.30, 0.02), desc=(0.001, 0.001), tool=(0.05, 0.01), gen=(0.12, 0.04), tmpl=(-0.02, 0.002)):
+    """Two cases whose mean cell values are exactly the given (dnll, distortion) pairs."""
+    recs = []
+    for sign in (+1, -1):
+        cells = {}
+        for g in (0, 1):
+            for cls, (d, x) in (("query", query), ("description", desc), ("tool_name", tool),
+                                ("gen_struct", gen), ("template", tmpl)):
+                cells[(g, cls)] = (d + sign * 0.01, x)
+        recs.append(record(f"c{sign}", cells, COUNTS))
+    return recs
+
+
+def test_floors_follow_the_thresholds():
+    pol = fit_policy(two_cases(), GROUPS, FitRule(tau_hi=0.10, tau_lo=0.03, floor_cap=1.0), {"model_sha256": "x"})
+    assert pol.kind == "calibrated"
+    for g in (0, 1):
+        assert pol.floors[g][C.QUERY] == 1.0          # 0.30 >= tau_hi
+        assert pol.floors[g][C.GEN_STRUCT] == 1.0     # 0.12
+        assert pol.floors[g][C.TOOL_NAME] == 0.5      # 0.05 in [tau_lo, tau_hi)
+        assert pol.floors[g][C.DESCRIPTION] == 0.0
+        assert pol.floors[g][C.TEMPLATE] == 0.0       # negative increase
+        assert pol.floors[g][C.SINK] == 1.0           # never evicted
+    # the same data with other thresholds moves the cells
+    pol2 = fit_policy(two_cases(), GROUPS, FitRule(tau_hi=0.5, tau_lo=0.2, floor_cap=1.0), {})
+    assert pol2.floors[0][C.QUERY] == 0.5 and pol2.floors[0][C.GEN_STRUCT] == 0.0
+
+
+def test_weights_are_distortion_normalised_to_the_largest():
+    pol = fit_policy(two_cases(), GROUPS, FitRule(floor_cap=1.0, min_weight=0.02), {})
+    assert pol.weights[0][C.GEN_STRUCT] == pytest.approx(1.0)
+    assert pol.weights[0][C.QUERY] == pytest.approx(0.5)
+    assert pol.weights[0][C.TOOL_NAME] == pytest.approx(0.25)
+    assert pol.weights[0][C.TEMPLATE] == pytest.approx(0.05)
+    assert pol.weights[0][C.DESCRIPTION] == pytest.approx(0.025)  # above min_weight: kept
+    pol2 = fit_policy(two_cases(desc=(0.0, 0.0004)), GROUPS, FitRule(floor_cap=1.0, min_weight=0.02), {})
+    assert pol2.weights[1][C.DESCRIPTION] == pytest.approx(0.02)   # 0.01 clamped up to min_weight
+    assert pol2.weights[1][C.EXAMPLE] == pytest.approx(0.02)       # never measured: min_weight
+
+
+def test_floor_cap_demotes_the_least_valuable_protection_first():
+    recs = two_cases(tmpl=(0.11, 0.002))      # template: just above tau_hi but a big class
+    shares = class_shares(recs)
+    full = fit_policy(recs, GROUPS, FitRule(floor_cap=1.0), {})
+    assert full.floors[0][C.TEMPLATE] == 1.0
+    cap = floor_mass(full.floors, GROUPS, shares) - 0.05
+    capped = fit_policy(recs, GROUPS, FitRule(floor_cap=cap), {})
+    assert floor_mass(capped.floors, GROUPS, shares) <= cap + 1e-12
+    assert capped.provenance["floor_cap_demotions"][0]["class"] == "template"
+    assert capped.floors[0][C.QUERY] == 1.0 and capped.floors[1][C.QUERY] == 1.0
+    # a cap below the sinks' own share leaves nothing floored but the sinks
+    tiny = fit_policy(recs, GROUPS, FitRule(floor_cap=1e-6), {})
+    assert all(tiny.floors[g][c] == 0.0 for g in (0, 1) for c in C if c is not C.SINK)
+
+
+def test_fitted_policy_roundtrips_and_compiles():
+    pol = fit_policy(two_cases(), GROUPS, FitRule(), {"model_sha256": "abc", "split": "calib", "n_cases": 2})
+    again = Policy.from_json(pol.to_json())
+    assert again.floors == pol.floors and again.weights == pol.weights and again.kind == "calibrated"
+    prov = again.provenance
+    assert prov["split"] == "calib" and prov["fit_rule"]["tau_hi"] == 0.10
+    assert {m["class"] for m in prov["measurements"]} == {"query", "description", "tool_name", "gen_struct", "template"}
+    counts = {C(k): v for k, v in COUNTS.items()}
+    comp = compile_policy(pol, 0.33, counts)
+    assert comp.effective_budget == pytest.approx(0.33, abs=1e-6)
+
+
+def test_summarise_statistics():
+    cells = summarise(two_cases(), 2)
+    q = cells[(0, C.QUERY)]
+    assert q.dnll == pytest.approx(0.30) and q.n_cases == 2
+    assert q.dnll_sem == pytest.approx(0.01)          # values 0.31, 0.29
+    assert q.distortion == pytest.approx(0.02)
+
+
+def test_bad_rules_raise():
+    for rule in (FitRule(tau_lo=0.2, tau_hi=0.1), FitRule(floor_cap=0.0), FitRule(floor_lo=0.7, floor_hi=0.5)):
+        with pytest.raises(FitError):
+            rule.check()
+    with pytest.raises(FitError):
+        fit_policy([], GROUPS, FitRule(), {})
+
+
+# ------------------------------------------------------------------ mapping by relative depth
+
+def calibrated(n_layer: int, arch: str = "gemma3", name: str = "p.json") -> Policy:
+    groups = contiguous_groups(n_layer, 4)
+    floors = [{c: 0.0 for c in C} for _ in groups]
+    weights = [{c: 0.1 * (g + 1) for c in C} for g in range(len(groups))]
+    for g in range(len(groups)):
+        floors[g][C.QUERY] = 1.0 if g >= 2 else 0.5
+    return Policy(groups=groups, floors=floors, weights=weights, kind="calibrated",
+                  provenance={"arch": arch, "model_sha256": "s" + name, "file": name})
+
+
+def test_map_by_depth_keeps_relative_boundaries():
+    src = calibrated(18)                               # groups 0-3, 4-8, 9-13, 14-17
+    m = map_by_depth(src, 36)
+    assert m.kind == "mapped" and m.n_layer == 36
+    assert [(g[0], g[-1]) for g in m.groups] == [(0, 7), (8, 17), (18, 27), (28, 35)]
+    assert [f[C.QUERY] for f in m.floors] == [0.5, 0.5, 1.0, 1.0]
+    assert m.weights[3][C.DESCRIPTION] == pytest.approx(0.4)
+    assert m.provenance["mapped_from"] == "p.json" and m.provenance["mapped_from_n_layer"] == 18
+    ten = map_by_depth(src, 10)                        # boundaries 4, 9, 14 of 18 -> 2.2, 5, 7.8 of 10
+    assert ten.groups == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
+    same = map_by_depth(src, 18)
+    assert same.groups == src.groups and same.floors == src.floors
+    small = map_by_depth(src, 2)                       # groups that vanish at this depth are dropped
+    assert small.groups == [[0], [1]]
+    assert [f[C.QUERY] for f in small.floors] == [0.5, 1.0]
+    Policy.from_json(small.to_json())                  # a valid policy file
+
+
+def test_nearest_calibrated_prefers_same_arch_then_depth():
+    pols = [calibrated(18, "gemma3", "a.json"), calibrated(26, "gemma3", "b.json"), calibrated(28, "qwen3", "c.json")]
+    assert nearest_calibrated(pols, "gemma3", 24).provenance["file"] == "b.json"
+    assert nearest_calibrated(pols, "gemma3", 10).provenance["file"] == "a.json"
+    assert nearest_calibrated(pols, "qwen3", 10).provenance["file"] == "c.json"
+    assert nearest_calibrated(pols, "llama", 20).provenance["file"] == "a.json"      # no llama: any arch
+    hand = Policy(groups=[[0, 1]], floors=[{}], weights=[{}], kind="hand-written")
+    assert nearest_calibrated([hand], "gemma3", 2) is None

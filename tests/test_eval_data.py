@@ -1,0 +1,100 @@
+"""Loading BFCL-format cases: bundled categories, user files (JSONL/array, inline or separate answers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pask_local.eval.checker import score_output
+from pask_local.eval.data import (
+    CATEGORIES,
+    DataError,
+    canonical_category,
+    load_bundled,
+    load_cases,
+    load_file,
+)
+
+FN = {"name": "get_weather", "description": "Weather for a city.",
+      "parameters": {"type": "dict", "properties": {"city": {"type": "string", "description": "City"},
+                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
+                     "required": ["city"]}}
+
+
+def _entry(i: int) -> dict:
+    return {"id": f"mine_{i}", "question": [[{"role": "user", "content": f"Weather in Paris {i}?"}]],
+            "function": [FN]}
+
+
+def test_bundled_categories_load_with_answers():
+    sizes = {}
+    for cat in CATEGORIES:
+        cases = load_bundled(cat)
+        sizes[cat] = len(cases)
+        assert all(c.answer for c in cases) and all(c.category == cat for c in cases)
+        assert all(c.request for c in cases)
+    assert sizes["simple_python"] == 400 and sizes["live_parallel"] == 16
+
+
+def test_alias_and_unknown_category():
+    assert canonical_category("simple") == "simple_python"
+    with pytest.raises(DataError, match="unknown category"):
+        canonical_category("java_simple")
+
+
+def test_user_file_with_separate_answers(tmp_path):
+    q = tmp_path / "q.jsonl"
+    a = tmp_path / "a.jsonl"
+    q.write_text("\n".join(json.dumps(_entry(i)) for i in range(3)) + "\n")
+    a.write_text("\n".join(json.dumps({"id": f"mine_{i}", "ground_truth": [
+        {"get_weather": {"city": ["Paris"], "unit": ["", "c"]}}]}) for i in range(3)) + "\n")
+    cases = load_cases(None, q, a)
+    assert [c.id for c in cases] == ["mine_0", "mine_1", "mine_2"]
+    assert cases[0].category == "custom" and cases[0].checker_category == "simple_python"
+    assert score_output(cases[0], '{"name": "get_weather", "arguments": {"city": "Paris"}}').valid
+    assert not score_output(cases[0], '{"name": "get_weather", "arguments": {"city": "Rome"}}').valid
+
+
+def test_user_file_json_array_inline_answers(tmp_path):
+    entries = []
+    for i in range(2):
+        e = _entry(i)
+        e["ground_truth"] = [{"get_weather": {"city": ["Paris"]}}, {"get_weather": {"city": ["Rome"]}}]
+        entries.append(e)
+    p = tmp_path / "cases.json"
+    p.write_text(json.dumps(entries))
+    cases = load_file(p)
+    assert cases[1].checker_category == "parallel"
+    out = '[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert score_output(cases[1], out).valid
+
+
+def test_bfcl_ids_keep_their_category(tmp_path):
+    src = load_bundled("live_multiple")[0]
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps({"id": src.id, "question": [src.messages], "function": src.functions,
+                             "ground_truth": src.answer}) + "\n")
+    assert load_file(p)[0].category == "live_multiple"
+
+
+@pytest.mark.parametrize("content,msg", [
+    ("{not json", "not valid JSON"),
+    ('{"id": "x", "question": [[{"role": "user", "content": "hi"}]]}', "lacks 'function'"),
+    ('{"id": "x", "question": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],'
+     ' "function": []}', "multi-turn"),
+])
+def test_malformed_files(tmp_path, content, msg):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content + "\n")
+    with pytest.raises(DataError, match=msg):
+        load_file(p)
+
+
+def test_missing_answers_and_files(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text(json.dumps(_entry(0)) + "\n")
+    with pytest.raises(DataError, match="no possible answer"):
+        load_cases(None, p)
+    with pytest.raises(DataError, match="not found"):
+        load_cases(None, tmp_path / "missing.jsonl")
