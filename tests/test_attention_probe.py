@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from pask_local.attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from pask_local.calibration.reference import ReferenceModel
 from pask_local.calibration.synthetic import write_synthetic_gguf
+
+from pask_local.attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from pask_local.llm import ContextConfig, Model
 from pask_local.methods import LayerView, SnapKV
 
