@@ -117,6 +117,7 @@ class FullKVGenerator:
         return keep
 
     def generate(self, case: Case) -> GenerationOutput:
+        from ..engine import EngineConfig
         from ..grammar.sampler import ConstrainedSampler
         from ..grammar.state import GrammarState
         from ..schema.gbnf import build_grammar
@@ -127,7 +128,9 @@ class FullKVGenerator:
         task: Task = make_task(case, self.spec.use_examples)
         try:
             specs = as_tools(task.functions)
-            grammar = build_grammar(specs, task.parallel)
+            # the same call bounds as the engine's methods, so Full KV is scored on equal terms
+            bounds = EngineConfig()
+            grammar = build_grammar(specs, task.parallel, max_string=bounds.max_string, max_calls=bounds.max_calls)
             prompt = render_prompt(self.model, specs, task.request, examples=task.examples, parallel=task.parallel)
         except PaskError as exc:
             return _failed(f"{type(exc).__name__}: {exc}", t0)
