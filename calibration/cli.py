@@ -15,7 +15,9 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from pask_local.errors import PaskError
 from pask_local.policy.schema import Policy, contiguous_groups
@@ -77,19 +79,34 @@ def read_cache(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]
     return records
 
 
-def calibrate_command(gguf: Path | None, categories: list[str] | None, cases: int, out: Path,
-                      groups: int = 4, *, chunk: int = 64, cache: Path | None = None, threads: int = 1,
-                      dtype: str = "float32", max_tokens: int = 2048, max_minutes: float = 0.0,
-                      use_examples: bool = True, rule: FitRule | None = None,
-                      quiet: bool = False) -> Policy:
-    """Measure up to ``cases`` calib cases (resuming from the cache), fit and save the policy to ``out``.
+def calibrate_command(
+    gguf: Annotated[Path | None, typer.Option("--gguf", help="GGUF model (default: the embedded Gemma 3 270M)")] = None,
+    categories: Annotated[list[str] | None, typer.Option(
+        "--categories", help="BFCL categories, comma-separated or repeated (default: all 8)")] = None,
+    cases: Annotated[int, typer.Option("--cases", help="calib cases to measure (round-robin over categories)")] = 64,
+    out: Annotated[Path, typer.Option("--out", help="policy JSON to write")] = Path("policy.json"),
+    groups: Annotated[int, typer.Option("--groups", help="contiguous layer groups")] = 4,
+    *,
+    chunk: Annotated[int, typer.Option("--chunk", help="the engine's prefill chunk")] = 64,
+    cache: Annotated[Path | None, typer.Option("--cache", help="measurement cache (default: <out>.cases.jsonl)")] = None,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="reference compute: float32 | bfloat16")] = "float32",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="skip cases longer than this")] = 2048,
+    max_minutes: Annotated[float, typer.Option("--max-minutes", help="stop measuring after this (0: no limit)")] = 0.0,
+    use_examples: Annotated[bool, typer.Option("--examples/--no-examples", help="few-shot examples as in eval")] = True,
+    tau_hi: Annotated[float, typer.Option("--tau-hi", help="dNLL (nats/token) for a full floor")] = FitRule.tau_hi,
+    tau_lo: Annotated[float, typer.Option("--tau-lo", help="dNLL for a half floor")] = FitRule.tau_lo,
+    floor_cap: Annotated[float, typer.Option("--floor-cap", help="max expected KV share of floors")] = FitRule.floor_cap,
+    min_weight: Annotated[float, typer.Option("--min-weight", help="smallest residual weight")] = FitRule.min_weight,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no progress or tables")] = False,
+) -> Policy:
+    """Measure calibration signals on BFCL's calib split and write a calibrated policy (resumable).
 
-    gguf: model file (None: the embedded Gemma 3 270M). categories: BFCL categories, entries may be
-    comma-separated (None or empty: all 8).
-    groups: number of contiguous layer groups. chunk: the engine's prefill chunk. threads: torch
-    threads. dtype: float32 | bfloat16 (reference compute). max_tokens: skip longer cases.
-    max_minutes: stop measuring new cases after this much time (0: no limit) and fit what is cached.
+    Up to ``cases`` calib cases are measured (resuming from the cache), the policy is fitted
+    (floors from dNLL by tau_hi/tau_lo under floor_cap, weights from distortion) and saved to ``out``.
+    max_minutes: stop measuring new cases after this much time and fit what is cached.
     """
+    rule = FitRule(tau_hi=tau_hi, tau_lo=tau_lo, floor_cap=floor_cap, min_weight=min_weight)
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -116,7 +133,6 @@ def calibrate_command(gguf: Path | None, categories: list[str] | None, cases: in
         raise CalibrationError(f"--out must name a .json policy file, got {out}")
     if out.parent and not out.parent.exists():
         raise CalibrationError(f"output directory does not exist: {out.parent}")
-    rule = rule or FitRule()
     rule.check()
     path = check_gguf(Path(gguf)) if gguf is not None else default_model_path()
     pool = calib_cases(categories)

@@ -89,7 +89,9 @@ def run_command(
         raise PaskError(f"schema file not found: {schema}")
     tools = read_tools(schema)
     model = Model(resolve_model(gguf))
-    engine = Engine(model, make_method(method, model, policy), EngineConfig(budget=budget, max_tokens=max_tokens))
+    warn = Console(stderr=True).print
+    engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
+                    EngineConfig(budget=budget, max_tokens=max_tokens))
     if tui:
         from .tui.cli import run_tui
 

@@ -28,7 +28,7 @@ def model(gemma_path) -> Model:
     return Model(gemma_path)
 
 
-def run(model, method, budget, example="get_weather.json", trace=None, max_tokens=200):
+def run(model, method, budget, example="get_weather.json", trace=None, max_tokens=256):
     request, parallel = EXAMPLES[example]
     tools = read_tools(REPO / "examples" / example)
     engine = Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=max_tokens))
@@ -89,8 +89,15 @@ def test_pask_keeps_protected_classes(model, tmp_path):
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     classes = {x["pos"]: x["cls"] for x in lines if x["type"] == "token"}
     final = lines[-1]
+    from pask_local.policy.shipped import default_policy
+
+    policy = default_policy(model)   # the calibrated policy for the embedded model
+    n_checked = 0
     for g, kept in final["retained"].items():
         kept = set(kept)
+        whole = {c.value for c, f in policy.floors[int(g)].items() if f >= 1.0} | {"sink"}
         for pos, cls in classes.items():
-            if cls in ("sink", "tool_name", "param_required", "query") and pos < res.stats["n_prompt"]:
+            if cls in whole and pos < res.stats["n_prompt"]:
                 assert pos in kept, (g, pos, cls)
+                n_checked += 1
+    assert n_checked > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import PaskError
@@ -9,11 +10,13 @@ from ..llm import Model
 from ..methods import BASELINES, METHOD_NAMES, PASK, Method
 from ..model_info import swa_layers
 from ..policy import Policy
-from ..policy.shipped import default_policy
+from ..policy.shipped import resolve_default_policy
 
 
-def make_method(name: str, model: Model, policy: str | Path | Policy | None = None) -> Method:
-    """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (default)."""
+def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
+                warn: Callable[[str], None] | None = None) -> Method:
+    """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (the
+    model's default; ``warn`` receives the line saying when that is mapped or hand-written)."""
     if name not in METHOD_NAMES:
         raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
     if name != "pask":
@@ -21,7 +24,9 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
             raise PaskError(f"--policy applies to the pask method only, not '{name}'")
         return BASELINES[name]()
     if policy is None:
-        pol = default_policy(model)
+        pol, warning = resolve_default_policy(model)
+        if warning and warn is not None:
+            warn(warning)
     elif isinstance(policy, Policy):
         pol = policy
     else:

@@ -1,7 +1,7 @@
 """PASK: keep, per layer group, each structural class's share given by a compiled policy.
 
-The ``recent`` newest positions are always kept (local context: the end of the prompt while
-prefilling, the call being written while decoding). Among the rest, within a group g, class c
+The ``recent`` newest positions and every generated token (the call being written) are kept
+first, capacity permitting: decode-time evictions come from the prompt. Among the rest, within a group g, class c
 keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the policy's
 ``never_evict`` keep all); within a class the oldest go first. If rounding leaves the
 layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up their oldest
@@ -54,8 +54,9 @@ class PASK(Method):
         keep_frac = self.compiled.keep[self.group_of[view.layer]]
         totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
         never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
-        recent = never.copy()  # never-evict classes first, then the newest others
-        n_recent = max(0, min(self.recent, capacity - int(never.sum())))
+        recent = never.copy()  # never-evict classes first, then the call being written, then the newest
+        n_gen = int((pos >= view.prompt_len).sum()) if view.prompt_len else 0
+        n_recent = max(0, min(max(self.recent, n_gen), capacity - int(never.sum())))
         if n_recent:
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
