@@ -37,6 +37,8 @@ def tool_set(n: int) -> list[dict]:
     base = []
     for name in ("get_weather.json", "calendar.json", "bfcl_math.json", "parallel_shopping.json"):
         data = json.loads((REPO / "examples" / name).read_text())
+        if isinstance(data, dict) and isinstance(data.get("tools"), list):
+            data = data["tools"]
         base += data if isinstance(data, list) else [data]
     out = []
     for i in range(n):

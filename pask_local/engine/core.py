@@ -119,6 +119,11 @@ class _Run:
         self.n_prompt = len(prompt.tokens)
         self.all_classes = list(class_indices(prompt.classes))
         self.caps = self.method.capacities(self.cfg.budget, np.asarray(self.all_classes), self.n_layer)
+        if not isinstance(self.method, PASK):
+            # a sliding-window layer's full KV is min(N, W): its share of the budget scales with it
+            # (PASK's compile step already counts layers this way)
+            self.caps = [max(1, math.ceil(c * self.full_size(il, self.n_prompt) / self.n_prompt))
+                         for il, c in enumerate(self.caps)]
         self.ratio = [c / self.n_prompt for c in self.caps]
         self.full = self.method.name == "full"
         self.needs_attn = self.method.needs_attention and not self.full
@@ -199,8 +204,8 @@ class _Run:
         return contiguous_groups(self.n_layer, 4)
 
     def held_counts(self) -> list[int]:
-        if self.full:
-            return [self.n_seq] * self.n_layer
+        if self.full:  # upstream cache: every layer holds what it can attend (SWA layers: the window)
+            return [self.full_size(il, self.n_seq) for il in range(self.n_layer)]
         return [self.ctx.used(il) for il in range(self.n_layer)]
 
     # -------------------------------------------------------------- scores
