@@ -67,6 +67,19 @@ def validate_calls(parsed: Any, tools: list[ToolSpec], parallel: bool) -> tuple[
     return calls, None
 
 
+def parse_output(text: str, finish: str, max_tokens: int, tools: list[ToolSpec], parallel: bool
+                 ) -> tuple[Any, list[dict[str, Any]], str | None]:
+    """(parsed JSON, calls, first error or None) for a generated call text."""
+    if finish == "length":
+        return None, [], f"the call did not finish within max_tokens={max_tokens}"
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return None, [], f"output is not valid JSON: {exc.msg}"
+    calls, error = validate_calls(parsed, tools, parallel)
+    return parsed, calls, error
+
+
 def generate_call(model: Model, ctx: Context, tools: Any, request: str, parallel: bool = False,
                   max_tokens: int = 256, examples: list[tuple[str, str]] | None = None,
                   temperature: float = 0.0, style: str = "auto", seed: int = 0,
@@ -124,18 +137,7 @@ def generate_call(model: Model, ctx: Context, tools: Any, request: str, parallel
     state.close()
 
     text = b"".join(model.piece(t) for t in out).decode("utf-8", "replace")
-    parsed: Any = None
-    calls: list[dict[str, Any]] = []
-    error: str | None = None
-    if finish == "length":
-        error = f"the call did not finish within max_tokens={max_tokens}"
-    else:
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as exc:
-            error = f"output is not valid JSON: {exc.msg}"
-        else:
-            calls, error = validate_calls(parsed, specs, parallel)
+    parsed, calls, error = parse_output(text, finish, max_tokens, specs, parallel)
     n = max(1, len(out))
     timings = {
         "setup_ms": (t1 - t0) * 1e3, "prompt_ms": (t2 - t1) * 1e3, "gen_ms": (t3 - t2) * 1e3,

@@ -16,7 +16,6 @@ Every count reported (held entries, bytes) is read from the native cache, not fr
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import numpy as np
 from ..attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from ..classes import StructuralClass
 from ..errors import NativeError, PaskError
-from ..generate import validate_calls
+from ..generate import parse_output
 from ..grammar.sampler import ConstrainedSampler
 from ..grammar.state import GrammarState
 from ..kv_layered import kv_total_bytes
@@ -333,18 +332,7 @@ class _Run:
         state.close()
 
         text = model.detokenize(out)
-        parsed: Any = None
-        calls: list[dict[str, Any]] = []
-        error: str | None = None
-        if finish == "length":
-            error = f"the call did not finish within max_tokens={self.cfg.max_tokens}"
-        else:
-            try:
-                parsed = json.loads(text)
-            except json.JSONDecodeError as exc:
-                error = f"output is not valid JSON: {exc.msg}"
-            else:
-                calls, error = validate_calls(parsed, specs, parallel)
+        parsed, calls, error = parse_output(text, finish, self.cfg.max_tokens, specs, parallel)
         stats = self._stats(after_prefill, len(out), t0, t1, t2, sampler, worst_over)
         if self.trace.enabled:
             self.trace.write("final", output=text, valid=error is None, retained=self._retained(),
