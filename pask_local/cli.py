@@ -6,9 +6,7 @@ Each subcommand is a thin shell over a library function; every ``PaskError`` bec
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -89,16 +87,3 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-
-
-def dump_json(obj: object) -> str:
-    return json.dumps(obj, ensure_ascii=False)
-
-
-def read_path(path: Path, what: str) -> str:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        raise PaskError(f"{what} not found: {path}") from None
-    except OSError as exc:
-        raise PaskError(f"cannot read {what} {path}: {exc.strerror}") from None

@@ -16,17 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import PaskError
+from .jsonfile import read_json_file
 
 METHOD_HELP = "KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova."
 
 
 def _request_from_messages(path: Path) -> str:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PaskError(f"messages file not found: {path}") from None
-    except json.JSONDecodeError as exc:
-        raise PaskError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_json_file(path, "messages")
     if not isinstance(data, list) or not data or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in data):
         raise PaskError(f"{path}: expected a non-empty list of {{\"role\": ..., \"content\": ...}} messages")

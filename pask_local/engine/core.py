@@ -35,6 +35,7 @@ from ..llm import Context, ContextConfig, Model
 from ..methods import PASK, LayerView, Method
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
+from ..policy import contiguous_groups
 from ..schema.gbnf import build_grammar
 from ..schema.tools import as_tools
 from ..tagging.generated import CallTagger
@@ -140,6 +141,13 @@ class _Run:
                         for il in range(self.n_layer)]
             self.phys = [self._swa_cap(il, p) for il, p in enumerate(phys)]
             self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
+        # layer groups for reporting: the policy's for PASK, else 4 contiguous groups
+        self.group_list = (self.method.policy.groups if isinstance(self.method, PASK)
+                           else contiguous_groups(self.n_layer, 4))
+        self.layer_group = [0] * self.n_layer
+        for g, layers in enumerate(self.group_list):
+            for il in layers:
+                self.layer_group[il] = g
         self.scores = [np.zeros(max_len + 1) for _ in range(self.n_layer)] if self.needs_attn else None
         self.held_log: list[list[int]] = []
 
@@ -187,20 +195,10 @@ class _Run:
                              positions=[int(p) for p in positions], rule=rule)
 
     def group_of(self, il: int) -> int:
-        if isinstance(self.method, PASK):
-            return self.method.group_of[il]
-        groups = self.groups()
-        for g, layers in enumerate(groups):
-            if il in layers:
-                return g
-        return 0
+        return self.layer_group[il]
 
     def groups(self) -> list[list[int]]:
-        if isinstance(self.method, PASK):
-            return self.method.policy.groups
-        from ..policy import contiguous_groups
-
-        return contiguous_groups(self.n_layer, 4)
+        return self.group_list
 
     def held_counts(self) -> list[int]:
         if self.full:  # upstream cache: every layer holds what it can attend (SWA layers: the window)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..classes import StructuralClass
 from ..errors import PaskError
+from ..jsonfile import read_json_file
 
 FORMAT_VERSION = 1
 KINDS = ("hand-written", "calibrated", "mapped")
@@ -105,14 +106,7 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
-        p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise PolicyError(f"policy file not found: {p}") from None
-        except json.JSONDecodeError as exc:
-            raise PolicyError(f"{p}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_json(data, source=str(p))
+        return cls.from_json(read_json_file(path, "policy", PolicyError), source=str(path))
 
 
 def _cls(value: Any, source: str, where: str) -> StructuralClass:
