@@ -79,6 +79,22 @@ def read_cache(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]
     return records
 
 
+def _append(cache: Path, rec: dict[str, Any]) -> None:
+    """One cache line (a later line for the same case id replaces an earlier one on reading)."""
+    with cache.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _ticker(progress: Any, task: Any, case_id: str, total: int):
+    state = {"n": 0}
+
+    def tick() -> None:
+        state["n"] += 1
+        progress.update(task, description=f"{case_id} cell {state['n']}/{total}")
+
+    return tick
+
+
 def calibrate_command(
     gguf: Annotated[Path | None, typer.Option("--gguf", help="GGUF model (default: the embedded Gemma 3 270M)")] = None,
     categories: Annotated[list[str] | None, typer.Option(
@@ -117,7 +133,7 @@ def calibrate_command(
 
     from .cases import CaseSkipped, build_case
     from .reference import ReferenceModel
-    from .signals import measure_case, n_cells
+    from .signals import measure_case, measure_joint, n_cells
 
     console = Console(stderr=True, quiet=quiet)
     if cases <= 0:
@@ -171,19 +187,25 @@ def calibrate_command(
                 if ref is None:
                     progress.update(task, description="loading the torch reference")
                     ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
-                total = n_cells(tc, len(layer_groups))
-                state = {"n": 0}
-
-                def tick(case_id: str = case.id, total: int = total, state: dict = state) -> None:
-                    state["n"] += 1
-                    progress.update(task, description=f"{case_id} cell {state['n']}/{total}")
-
                 progress.update(task, description=f"{case.id} ({len(tc.tokens)} tokens)")
-                sig = measure_case(ref, tc, layer_groups, chunk=chunk, on_cell=tick)
+                sig = measure_case(ref, tc, layer_groups, chunk=chunk,
+                                   on_cell=_ticker(progress, task, case.id, n_cells(tc, len(layer_groups))))
                 rec.update(sig.to_json())
                 progress.advance(task)
-            with cache.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            _append(cache, rec)
+            done[case.id] = rec
+        # cases cached before joint measurements existed: add them (the per-group cells are kept)
+        old = [c for c in pool if c.id in done and "cells" in done[c.id] and "joint" not in done[c.id]][:want]
+        if old:
+            progress.update(task, description=f"joint cells for {len(old)} cached case(s)")
+        for case in old:
+            if ref is None:
+                ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
+            tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens)
+            n = sum(1 for c in set(tc.classes) if c.value != "sink")
+            rec = {**done[case.id], "joint": measure_joint(ref, tc, chunk=chunk,
+                                                            on_cell=_ticker(progress, task, case.id, n))}
+            _append(cache, rec)
             done[case.id] = rec
     records = [done[c.id] for c in pool if c.id in done and "cells" in done[c.id]][:want]
     if not records:

@@ -4,12 +4,18 @@ Input: per-case records of ``signals.measure_case`` (``dnll`` and ``distortion``
 Each (group g, class c) cell is summarised over the cases where c is present: mean and standard
 error of the NLL increase, mean distortion per evicted token.
 
-Floors (task-error sensitivity), per cell, from the mean NLL increase ``d`` (nats per gold token):
+Floors (task-error sensitivity), from a mean NLL increase ``d`` (nats per gold token):
   floor = ``floor_hi`` (1.0) if d >= ``tau_hi``; ``floor_lo`` (0.5) if d >= ``tau_lo``; else 0.
+When the records carry joint measurements (the class evicted in every layer at once;
+``signals.measure_joint``), ``d`` is the class's joint increase and the floor starts in every group:
+the joint signal says whether a class must persist at all, which single-group evictions miss
+(groups back each other up). Records without them (older caches) fall back to the per-cell ``d``.
 Floor cap: the floors must leave room under small budgets. Their expected KV mass, the sum over
 cells of floor x (share of c in the calib sequences) x (share of layers in g), plus the sinks, is
-kept <= ``floor_cap``: while it is above, the floored cell with the least NLL increase per unit of
-KV mass it protects steps down one level (1.0 -> 0.5 -> 0). Every step is listed in the provenance.
+kept <= ``floor_cap`` (generated classes do not count: the engine keeps the call being written
+first whatever the policy): while it is above, the floored cell with the least single-group NLL increase
+per unit of KV mass it protects steps down one level (1.0 -> 0.5 -> 0): protection leaves first
+the groups where losing the class hurts least. Every step is listed in the provenance.
 Weights (attention-output distortion): weight = mean distortion per evicted token / the largest
 such mean over all cells, at least ``min_weight``; a class never seen in calibration gets
 ``min_weight`` in every group. The engine's compile step then water-fills the budget left after
@@ -28,6 +34,8 @@ from pask_local.errors import PaskError
 from pask_local.policy.schema import Policy
 
 NEVER_EVICT = (StructuralClass.SINK,)
+# not measured: a design choice (docs/policy-format.md); span-head agreed with Full KV more often on the calib split
+WITHIN_CLASS_ORDER = "span-head"
 
 
 class FitError(PaskError):
@@ -83,6 +91,23 @@ def summarise(records: Sequence[dict[str, Any]], n_groups: int) -> dict[tuple[in
     return out
 
 
+def summarise_joint(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, Cell]:
+    """class -> Cell of the joint (every-layer) eviction, over the records that measured it."""
+    acc: dict[StructuralClass, tuple[list[float], list[float]]] = {}
+    for rec in records:
+        for cell in rec.get("joint") or []:
+            d, x = acc.setdefault(StructuralClass(cell["class"]), ([], []))
+            d.append(float(cell["dnll"]))
+            x.append(float(cell["distortion"]))
+    out = {}
+    for c, (d, x) in acc.items():
+        n = len(d)
+        mean = sum(d) / n
+        sem = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n) if n > 1 else float("nan")
+        out[c] = Cell(mean, sem, sum(x) / n, n)
+    return out
+
+
 def class_shares(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, float]:
     """Mean share of each class among all tokens (prompt + gold call) of the records."""
     shares = {c: 0.0 for c in StructuralClass}
@@ -95,11 +120,15 @@ def class_shares(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, flo
 
 def floor_mass(floors: list[dict[StructuralClass, float]], groups: list[list[int]],
                shares: dict[StructuralClass, float]) -> float:
-    """Expected share of full KV that ``floors`` hold (never-evicted classes count as floor 1)."""
+    """Expected share of full KV that ``floors`` hold (never-evicted classes count as floor 1).
+    Generated classes are left out: the engine keeps the call being written first whatever the
+    policy (methods/pask.py), so their floors take nothing from the prompt's protection."""
     n_layer = sum(len(g) for g in groups)
     mass = 0.0
     for g, layers in enumerate(groups):
         for c, share in shares.items():
+            if c.is_generated:
+                continue
             f = 1.0 if c in NEVER_EVICT else floors[g].get(c, 0.0)
             mass += f * share * len(layers) / n_layer
     return mass
@@ -116,23 +145,31 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
     cells = summarise(records, n_groups)
     shares = class_shares(records)
 
+    joint = summarise_joint(records) if all(rec.get("joint") for rec in records) else {}
+
+    def tier(d: float) -> float:
+        return rule.floor_hi if d >= rule.tau_hi else rule.floor_lo if d >= rule.tau_lo else 0.0
+
     floors = [{c: 0.0 for c in StructuralClass} for _ in groups]
-    for (g, c), cell in cells.items():
-        if cell.dnll >= rule.tau_hi:
-            floors[g][c] = rule.floor_hi
-        elif cell.dnll >= rule.tau_lo:
-            floors[g][c] = rule.floor_lo
+    if joint:
+        for c, jc in joint.items():
+            for g in range(n_groups):
+                floors[g][c] = tier(jc.dnll)
+    else:
+        for (g, c), cell in cells.items():
+            floors[g][c] = tier(cell.dnll)
     demoted = []
     while floor_mass(floors, groups, shares) > rule.floor_cap + 1e-12:
         floored = [(g, c) for g in range(n_groups) for c in StructuralClass
-                   if floors[g][c] > 0 and c not in NEVER_EVICT]
+                   if floors[g][c] > 0 and c not in NEVER_EVICT and not c.is_generated]
         if not floored:
             break
 
         def value(key: tuple[int, StructuralClass]) -> float:
             g, c = key
             cost = shares[c] * len(groups[g]) / n_layer
-            return cells[key].dnll / cost if cost > 0 else math.inf
+            d = cells[key].dnll if key in cells else 0.0
+            return d / cost if cost > 0 else math.inf
 
         g, c = min(floored, key=value)
         new = rule.floor_lo if floors[g][c] > rule.floor_lo else 0.0
@@ -152,6 +189,10 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
                         "doc": "calibration/policy_fit.py"}
     prov["floor_mass"] = round(floor_mass(floors, groups, shares), 4)
     prov["floor_cap_demotions"] = demoted
+    prov["floor_signal"] = "joint" if joint else "per-group"
+    prov["joint_measurements"] = [
+        {"class": c.value, "dnll_mean": round(jc.dnll, 5), "dnll_sem": _r(jc.dnll_sem), "n_cases": jc.n_cases}
+        for c, jc in sorted(joint.items(), key=lambda kv: list(StructuralClass).index(kv[0]))]
     prov["class_shares"] = {c.value: round(s, 4) for c, s in shares.items() if s > 0}
     prov["measurements"] = [
         {"group": g, "class": c.value, "dnll_mean": round(cell.dnll, 5), "dnll_sem": _r(cell.dnll_sem),
@@ -159,7 +200,8 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
         for (g, c), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], list(StructuralClass).index(kv[0][1])))
     ]
     return Policy(groups=groups, floors=floors, weights=[{c: round(w, 4) for c, w in t.items()} for t in weights],
-                  kind="calibrated", never_evict=NEVER_EVICT, provenance=prov)
+                  kind="calibrated", within_class_order=WITHIN_CLASS_ORDER, never_evict=NEVER_EVICT,
+                  provenance=prov)
 
 
 def _r(x: float) -> float | None:

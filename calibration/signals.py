@@ -17,6 +17,12 @@ Signals (teacher forcing: the rows predicting continuation tokens are n_prompt-1
 2. ``distortion``: ||o' - o||_F / ||o||_F of group ``g``'s attention outputs (its layers, the
    prediction rows), divided by the number of evicted tokens (distortion per evicted token).
 
+3. ``joint`` (per class, no group): the same two signals when the class is evicted in *every*
+   layer at once. Layer groups back each other up (a class evicted in one group is still seen by
+   the others), so the sum of single-group increases can be far below the joint one: on the
+   embedded Gemma 3 270M, evicting the query in group 0 alone costs ~0.007 nats/token, in all
+   layers ~0.3. The fit uses it to decide which classes must persist at all.
+
 Cost: one unmasked ``trace``; each cell restarts from the first layer of its group and from the
 first row the eviction can change (``first_affected_row``), since earlier layers and rows are
 unchanged (``ReferenceModel.forward_from``).
@@ -152,10 +158,11 @@ class CaseSignals:
     base_nll: float
     counts: dict[str, int]
     cells: list[dict] = field(default_factory=list)   # {"group", "class", "dnll", "distortion", ...}
+    joint: list[dict] = field(default_factory=list)   # {"class", "dnll", ...}: evicted in every layer
 
     def to_json(self) -> dict:
         return {"id": self.id, "category": self.category, "n_prompt": self.n_prompt, "n_cont": self.n_cont,
-                "base_nll": self.base_nll, "counts": self.counts, "cells": self.cells}
+                "base_nll": self.base_nll, "counts": self.counts, "cells": self.cells, "joint": self.joint}
 
 
 def measure_case(ref: ReferenceModel, case: TFCase, groups: Sequence[Sequence[int]],
@@ -177,10 +184,31 @@ def measure_case(ref: ReferenceModel, case: TFCase, groups: Sequence[Sequence[in
                               "rel_change": s.rel_change, "n_evicted": s.n_evicted})
             if on_cell is not None:
                 on_cell()
+    out.joint = measure_joint(ref, case, chunk, skip, on_cell, base)
+    return out
+
+
+def measure_joint(ref: ReferenceModel, case: TFCase, chunk: int = DEFAULT_CHUNK,
+                  skip: Iterable[StructuralClass] = (StructuralClass.SINK,), on_cell=None,
+                  base: Baseline | None = None) -> list[dict]:
+    """Both signals for evicting each class present in ``case`` in every layer at once."""
+    base = base or baseline(ref, case)
+    cls = np.array([c.value for c in case.classes])
+    skipped = {c.value for c in skip}
+    out = []
+    for c in StructuralClass:
+        if c.value in skipped or not (cls == c.value).any():
+            continue
+        s = evict_signal(ref, base, cls == c.value, range(ref.n_layer), chunk)
+        out.append({"class": c.value, "dnll": s.dnll, "distortion": s.distortion, "rel_change": s.rel_change,
+                    "n_evicted": s.n_evicted})
+        if on_cell is not None:
+            on_cell()
     return out
 
 
 def n_cells(case: TFCase, n_groups: int, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> int:
-    """How many cells ``measure_case`` evaluates for ``case`` (for progress bars)."""
+    """How many cells ``measure_case`` evaluates for ``case`` (for progress bars): one per
+    (group, class) plus one joint cell per class."""
     present = {c for c in case.classes} - set(skip)
-    return len(present) * n_groups
+    return len(present) * (n_groups + 1)

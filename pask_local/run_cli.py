@@ -18,7 +18,8 @@ from rich.table import Table
 from .errors import PaskError
 from .jsonfile import read_json_file
 
-METHOD_HELP = "KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova."
+METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, or pask-prior "
+               "(PASK with the hand-written prior policy).")
 
 
 def _request_from_messages(path: Path) -> str:

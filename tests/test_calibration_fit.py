@@ -57,6 +57,41 @@ def test_floors_follow_the_thresholds():
     assert pol2.floors[0][C.QUERY] == 0.5 and pol2.floors[0][C.GEN_STRUCT] == 0.0
 
 
+def with_joint(recs, joint: dict[str, float]):
+    """The records, each also carrying joint (every-layer) measurements with these mean dNLLs."""
+    return [{**r, "joint": [{"class": c, "dnll": d, "distortion": 0.0} for c, d in joint.items()]} for r in recs]
+
+
+def test_joint_signal_sets_floors_in_every_group():
+    # single-group increases say nothing matters; the joint ones say query and tool names do
+    recs = with_joint(two_cases(query=(0.005, 0.02), tool=(0.002, 0.01), gen=(0.0, 0.04)),
+                      {"query": 0.3, "tool_name": 0.05, "description": 0.01, "template": 0.0, "gen_struct": 0.2})
+    pol = fit_policy(recs, GROUPS, FitRule(tau_hi=0.10, tau_lo=0.03, floor_cap=1.0), {})
+    assert pol.provenance["floor_signal"] == "joint"
+    for g in (0, 1):
+        assert pol.floors[g][C.QUERY] == 1.0 and pol.floors[g][C.TOOL_NAME] == 0.5
+        assert pol.floors[g][C.DESCRIPTION] == 0.0 and pol.floors[g][C.TEMPLATE] == 0.0
+    assert {m["class"] for m in pol.provenance["joint_measurements"]} >= {"query", "tool_name"}
+    # without joint measurements the same cells give no floors (per-group fallback)
+    per_group = fit_policy(two_cases(query=(0.005, 0.02), tool=(0.002, 0.01), gen=(0.0, 0.04)), GROUPS,
+                           FitRule(floor_cap=1.0), {})
+    assert per_group.provenance["floor_signal"] == "per-group" and per_group.floors[0][C.QUERY] == 0.0
+
+
+def test_floor_cap_under_joint_floors_drops_the_least_sensitive_group_first():
+    recs = with_joint(two_cases(), {"query": 0.3, "template": 0.3})
+    # single-group: template hurts more in group 1 than in group 0
+    for r in recs:
+        for cell in r["cells"]:
+            if cell["class"] == "template":
+                cell["dnll"] = 0.05 if cell["group"] == 1 else 0.001
+    shares = class_shares(recs)
+    full = fit_policy(recs, GROUPS, FitRule(floor_cap=1.0), {})
+    capped = fit_policy(recs, GROUPS, FitRule(floor_cap=floor_mass(full.floors, GROUPS, shares) - 0.01), {})
+    first = capped.provenance["floor_cap_demotions"][0]
+    assert (first["group"], first["class"]) == (0, "template")
+
+
 def test_weights_are_distortion_normalised_to_the_largest():
     pol = fit_policy(two_cases(), GROUPS, FitRule(floor_cap=1.0, min_weight=0.02), {})
     assert pol.weights[0][C.GEN_STRUCT] == pytest.approx(1.0)
@@ -81,7 +116,8 @@ def test_floor_cap_demotes_the_least_valuable_protection_first():
     assert capped.floors[0][C.QUERY] == 1.0 and capped.floors[1][C.QUERY] == 1.0
     # a cap below the sinks' own share leaves nothing floored but the sinks
     tiny = fit_policy(recs, GROUPS, FitRule(floor_cap=1e-6), {})
-    assert all(tiny.floors[g][c] == 0.0 for g in (0, 1) for c in C if c is not C.SINK)
+    assert all(tiny.floors[g][c] == 0.0 for g in (0, 1) for c in C if c is not C.SINK and not c.is_generated)
+    assert tiny.floors[0][C.GEN_STRUCT] == 1.0  # generated classes are kept first by the engine: not capped
 
 
 def test_fitted_policy_roundtrips_and_compiles():

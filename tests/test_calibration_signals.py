@@ -159,7 +159,12 @@ def test_measure_case_covers_every_present_class_and_group(setup):
     sig = measure_case(ref, case, GROUPS, chunk=CHUNK, on_cell=lambda: calls.append(1))
     present = {c.value for c in case.classes} - {"sink"}
     assert {(x["group"], x["class"]) for x in sig.cells} == {(g, c) for g in range(2) for c in present}
-    assert len(calls) == n_cells(case, 2) == len(sig.cells)
+    assert {x["class"] for x in sig.joint} == present
+    assert len(calls) == n_cells(case, 2) == len(sig.cells) + len(sig.joint)
+    # a joint cell is the single-group eviction applied to every group at once
+    for j in sig.joint:
+        ev = np.array([c.value == j["class"] for c in case.classes])
+        assert j["dnll"] == pytest.approx(evict_signal(ref, baseline(ref, case), ev, range(ref.n_layer), CHUNK).dnll)
     assert sig.counts["sink"] == 1 and sum(sig.counts.values()) == len(case.tokens)
     assert sig.base_nll == pytest.approx(float(baseline(ref, case).nll.mean()))
 

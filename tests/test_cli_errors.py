@@ -69,6 +69,8 @@ def test_policy_for_another_model(cli, bad_files):
     assert_one_line_error(proc, "26 layers but the model has 18")
     proc = cli("run", "--schema", SCHEMA, "--method", "snapkv", "--policy", str(bad_files / "policy26.json"), "hi")
     assert_one_line_error(proc, "pask method only")
+    proc = cli("run", "--schema", SCHEMA, "--method", "pask-prior", "--policy", str(bad_files / "policy26.json"), "hi")
+    assert_one_line_error(proc, "hand-written prior")
 
 
 def test_prompt_longer_than_context(cli):

@@ -14,7 +14,8 @@ from pask_local.eval.store import ResultStore
 
 
 def _rec(case, method, budget, valid):
-    return {"id": case.id, "category": case.category, "method": method, "budget": budget, "output": "",
+    return {"id": case.id, "category": case.category, "method": method, "budget": budget,
+            "output": "right" if valid else "wrong",
             "valid": valid, "error_type": None if valid else "x", "seconds": 1.0, "n_generated": 5,
             "n_prompt": 100, "n_reused": 40}
 
@@ -43,9 +44,10 @@ def test_summary_accuracy_average_retention(filled):
     assert h2o["retention"] == pytest.approx(h2o["average"] / full["average"])
     assert h2o["categories"]["parallel"]["retention"] == pytest.approx(0.5)
     assert s["complete"] and full["prompt_tokens_reused"] == 240
+    assert full["agreement"] == 1.0 and h2o["agreement"] == pytest.approx(3 / 6)  # same output on 3 of 6
     table = markdown(s)
-    assert "| full | 75.0 | 100.0 | 87.5 | 1.000 |" in table
-    assert "| h2o@0.33 | 25.0 | 50.0 | 37.5 | 0.429 |" in table
+    assert "| full | 75.0 | 100.0 | 87.5 | 1.000 | 100.0 |" in table
+    assert "| h2o@0.33 | 25.0 | 50.0 | 37.5 | 0.429 | 50.0 |" in table
 
 
 def test_reports_written_and_store_reloads(filled):

@@ -102,6 +102,30 @@ def test_pask_keeps_protected_classes_and_oldest_go_first():
     assert len(set(kept2.tolist()) & set(range(1, 61))) >= 30  # floor 0.5 in group 1
 
 
+def test_pask_span_head_keeps_the_start_of_every_span():
+    # sink, three 20-token descriptions separated by a tool name each, then a query
+    D, T, Q = class_index(C.DESCRIPTION), class_index(C.TOOL_NAME), class_index(C.QUERY)
+    classes = np.array([class_index(C.SINK)] + ([T] + [D] * 20) * 3 + [Q] * 16)
+    pol = _pask_policy()
+    pol.floors = [{**f, C.TOOL_NAME: 1.0} for f in pol.floors]
+    pol.within_class_order = "span-head"
+    method = PASK(pol, recent=0)
+    caps = method.capacities(0.5, classes, 4)
+    kept = set(method.select(view(len(classes), classes=classes, layer=0), caps[0]).tolist())
+    starts = [2, 23, 44]  # first description token of each tool
+    n_desc = len(kept & {i for i in range(len(classes)) if classes[i] == D})
+    assert 3 <= n_desc < 60
+    per_span = [len(kept & set(range(s, s + 20))) for s in starts]
+    assert max(per_span) - min(per_span) <= 1  # evictions spread over the spans
+    for s, k in zip(starts, per_span, strict=True):
+        assert set(range(s, s + k)) <= kept  # each span keeps its head
+    oldest = PASK(_pask_policy(), recent=0)  # the default order drops the oldest span first
+    oldest.policy.floors = pol.floors
+    oldest.capacities(0.5, classes, 4)
+    kept_old = set(oldest.select(view(len(classes), classes=classes, layer=0), caps[0]).tolist())
+    assert len(kept_old & set(range(2, 22))) < len(kept & set(range(2, 22)))
+
+
 def test_pask_rejects_policy_for_other_model():
     with pytest.raises(Exception, match="4 layers but the model has 6"):
         PASK(_pask_policy()).capacities(0.4, np.zeros(10, dtype=np.int64), 6)

@@ -254,7 +254,8 @@ class _Run:
             self.evict_swa_window(b - 1, -1)
         if self.method.compress_after_prefill and not self.full:
             self.peak_prefill = self.held_counts()
-            self.collect_scores(WINDOW)
+            if self.needs_attn:
+                self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
 

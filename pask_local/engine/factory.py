@@ -10,20 +10,26 @@ from ..llm import Model
 from ..methods import BASELINES, METHOD_NAMES, PASK, Method
 from ..model_info import swa_layers
 from ..policy import Policy
+from ..policy.handwritten import handwritten_policy
 from ..policy.shipped import resolve_default_policy
 
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
                 warn: Callable[[str], None] | None = None) -> Method:
     """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (the
-    model's default; ``warn`` receives the line saying when that is mapped or hand-written)."""
+    model's default; ``warn`` receives the line saying when that is mapped or hand-written).
+    ``pask-prior`` is PASK with the hand-written prior (``policy/handwritten.py``), for comparisons."""
     if name not in METHOD_NAMES:
         raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
-    if name != "pask":
+    if name not in ("pask", "pask-prior"):
         if policy is not None:
             raise PaskError(f"--policy applies to the pask method only, not '{name}'")
         return BASELINES[name]()
-    if policy is None:
+    if name == "pask-prior":
+        if policy is not None:
+            raise PaskError("pask-prior runs the hand-written prior policy; use --method pask with --policy")
+        pol = handwritten_policy(model.n_layer)
+    elif policy is None:
         pol, warning = resolve_default_policy(model)
         if warning and warn is not None:
             warn(warning)
@@ -33,4 +39,6 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
         pol = Policy.load(policy)
     pol.check_model(model.n_layer)
     swa, window = swa_layers(model)
-    return PASK(pol, swa_layers=swa, window=window)
+    method = PASK(pol, swa_layers=swa, window=window)
+    method.name = name  # "pask" or "pask-prior": what traces and stats report
+    return method

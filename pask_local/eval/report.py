@@ -2,7 +2,9 @@
 
 Accuracy is per category; the average is the unweighted mean over the categories evaluated (BFCL
 style). Retention is a method's accuracy divided by Full-KV accuracy on the same cases (None when
-Full KV was not run or scored 0).
+Full KV was not run or scored 0). Agreement is the share of a method's cases whose output is
+character-for-character Full KV's output on the same case: a finer fidelity measure than accuracy
+when the model is weak (a compressed cache can turn a wrong call into a right one by chance).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float
         })
     full = next((r for r in rows if r["method"] == "full"), None)
     for r in rows:
+        r["agreement"] = _agreement(store, cases, r["method"], r["budget"]) if full else None
         r["retention"] = None
         if full is not None and full["average"]:
             r["retention"] = r["average"] / full["average"] if r["average"] is not None else None
@@ -62,21 +65,35 @@ def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float
     return {"categories": categories, "n_cases": len(cases), "complete": complete, "runs": rows}
 
 
+def _agreement(store: ResultStore, cases: list[Case], method: str, budget: float | None) -> float | None:
+    """Share of cases (run by both) where ``method`` wrote exactly Full KV's output."""
+    same = n = 0
+    for c in cases:
+        r = store.records.get((c.id, method, budget_key(budget)))
+        f = store.records.get((c.id, "full", budget_key(None)))
+        if r is not None and f is not None:
+            n += 1
+            same += r["output"] == f["output"]
+    return same / n if n else None
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
 def markdown(summary: dict[str, Any]) -> str:
     cats = summary["categories"]
-    head = ["method", *cats, "average", "retention", "cases", "time (s)"]
+    head = ["method", *cats, "average", "retention", "same as full", "cases", "time (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["runs"]:
         cells = [r["label"], *(_pct(r["categories"][c]["accuracy"]) for c in cats), _pct(r["average"]),
-                 "-" if r["retention"] is None else f"{r['retention']:.3f}", str(r["n"]), f"{r['seconds']:.0f}"]
+                 "-" if r["retention"] is None else f"{r['retention']:.3f}", _pct(r.get("agreement")), str(r["n"]),
+                 f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     counts = ", ".join(f"{c}: {summary['runs'][0]['categories'][c]['n']}" for c in cats) if summary["runs"] else ""
     lines += ["", f"Accuracy in % (BFCL AST checker); average = mean over categories; retention = average / "
-              f"Full-KV average. Cases per category: {counts}."]
+              f"Full-KV average; same as full = % of cases whose output equals Full KV's exactly. "
+              f"Cases per category: {counts}."]
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,7 @@ BASELINES: dict[str, type[Method]] = {
     "full": FullKV, "streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV,
     "pyramidkv": PyramidKV, "tova": TOVA,
 }
-METHOD_NAMES = (*BASELINES, "pask")
+METHOD_NAMES = (*BASELINES, "pask", "pask-prior")  # pask-prior: PASK with the hand-written prior policy
 
 __all__ = ["BASELINES", "METHOD_NAMES", "H2O", "PASK", "TOVA", "FullKV", "LayerView", "Method",
            "PyramidKV", "SnapKV", "StreamingLLM"]

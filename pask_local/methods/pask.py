@@ -3,9 +3,12 @@
 The ``recent`` newest positions and every generated token (the call being written) are kept
 first, capacity permitting: decode-time evictions come from the prompt. Among the rest, within a group g, class c
 keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the policy's
-``never_evict`` keep all); within a class the oldest go first. If rounding leaves the
-layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up their oldest
-tokens first; if it leaves room, the most protective evicted tokens come back (newest first).
+``never_evict`` keep all); within a class the policy's ``within_class_order`` says which go first:
+``oldest-first``, ``newest-first``, or ``span-head`` (a span is a run of same-class tokens, e.g. one
+tool's description: every span loses its tail before any span loses its head, so each tool keeps
+the start of its description instead of the oldest tools losing theirs whole). If rounding leaves
+the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up tokens first,
+in the same order; if it leaves room, the most protective evicted tokens come back.
 Only this lookup runs online: no attention statistics are needed.
 """
 
@@ -61,6 +64,7 @@ class PASK(Method):
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
         kept = recent.copy()
+        worth = self._worth(pos, view.all_classes)  # within a class: higher persists first
         for ci in np.unique(cls):
             of_class = cls == ci
             members = np.flatnonzero(of_class & ~kept)
@@ -69,18 +73,39 @@ class PASK(Method):
                 keep_frac[c] * totals[ci] - 1e-9)
             want = min(max(0, target - int((of_class & kept).sum())), len(members))
             if want:
-                newest = members[np.argsort(pos[members])[-want:]]
-                kept[newest] = True
-        # rank: protection rank, then age (older = evicted first / restored last)
+                best = members[np.argsort(worth[members], kind="stable")[-want:]]
+                kept[best] = True
+        # rank: protection rank, then worth within the class
         if kept.sum() > capacity:
             idx = np.flatnonzero(kept & ~recent)
-            order = np.lexsort((pos[idx], -_RANK[cls[idx]]))  # least protective, oldest first
+            order = np.lexsort((worth[idx], -_RANK[cls[idx]]))  # least protective, least worth first
             kept[idx[order[: kept.sum() - capacity]]] = False
         elif kept.sum() < capacity:
             idx = np.flatnonzero(~kept)
-            order = np.lexsort((-pos[idx], _RANK[cls[idx]]))  # most protective, newest first
+            order = np.lexsort((-worth[idx], _RANK[cls[idx]]))  # most protective, most worth first
             kept[idx[order[: capacity - kept.sum()]]] = True
         return np.sort(pos[kept])
+
+    def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None) -> np.ndarray:
+        """Within-class persistence order of ``pos`` (higher persists first; all values distinct)."""
+        order = self.policy.within_class_order
+        if order == "newest-first":
+            return (-pos).astype(np.float64)
+        if order == "span-head" and all_classes is not None and len(all_classes) > int(pos.max(initial=0)):
+            offset = span_offsets(all_classes)[pos]
+            # a smaller offset in its span persists first; among equal offsets, the newer span
+            return -offset.astype(np.float64) + pos / (pos.max(initial=0) + 1.0)
+        return pos.astype(np.float64)
+
+
+def span_offsets(classes: np.ndarray) -> np.ndarray:
+    """For each position, its index inside its span (the run of equal classes it belongs to)."""
+    n = len(classes)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    idx = np.arange(n)
+    start = np.r_[True, classes[1:] != classes[:-1]]
+    return idx - np.maximum.accumulate(np.where(start, idx, 0))
 
 
 def class_indices(classes: list[StructuralClass]) -> np.ndarray:

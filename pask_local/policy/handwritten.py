@@ -3,7 +3,8 @@
 Sinks, tool names, required parameter names, the user's query, generated names and keys and
 required values get full floors; template tokens, types and optional names are half protected;
 descriptions, schema punctuation and whitespace go first. The same table is used for every layer
-group: it is a prior, to be replaced by measured (calibrated) policies.
+group: it is a prior, to be replaced by measured (calibrated) policies. Within a class, spans lose
+their tails first (``span-head``): every tool keeps the start of its description.
 """
 
 from __future__ import annotations
@@ -30,5 +31,6 @@ def handwritten_policy(n_layer: int, n_groups: int = 4) -> Policy:
         floors=[{c: FLOORS.get(c, 0.0) for c in C} for _ in groups],
         weights=[{c: WEIGHTS.get(c, 0.0) for c in C} for _ in groups],
         kind="hand-written",
+        within_class_order="span-head",
         provenance={"note": "hand-written prior (pask_local/policy/handwritten.py); not measured"},
     )

@@ -19,7 +19,9 @@ from ..jsonfile import read_json_file
 
 FORMAT_VERSION = 1
 KINDS = ("hand-written", "calibrated", "mapped")
-ORDERS = ("oldest-first", "newest-first", "attention-mass")
+# Which tokens of a class go first when only part of it persists: the oldest, the newest, or the
+# tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist).
+ORDERS = ("oldest-first", "newest-first", "span-head")
 
 
 class PolicyError(PaskError):
