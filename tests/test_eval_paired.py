@@ -1,0 +1,36 @@
+"""scripts/eval_paired.py: the paired sign test and its table, on a hand-written cases.jsonl."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_paired.py"
+spec = importlib.util.spec_from_file_location("eval_paired", SCRIPT)
+paired = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(paired)
+
+
+def test_sign_test_exact_values():
+    assert paired.sign_test(0, 5) == pytest.approx(2 / 32)      # all 5 discordant pairs one way
+    assert paired.sign_test(5, 5) == 1.0
+    assert paired.sign_test(0, 0) == 1.0
+    assert paired.sign_test(1, 9) == pytest.approx(2 * (1 + 10) / 1024)
+
+
+def test_table_counts_discordant_cases(tmp_path, capsys):
+    rows = []
+    for i in range(6):
+        rows.append({"id": f"c{i}", "method": "full", "budget": None, "valid": i < 4, "output": f"o{i}"})
+        rows.append({"id": f"c{i}", "method": "pask", "budget": 0.33, "valid": i in (0, 4), "output":
+                     f"o{i}" if i < 3 else "x"})
+    (tmp_path / "cases.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert paired.main([str(tmp_path), "pask@0.33", "full"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    # pask right & full wrong: c4; full right & pask wrong: c1, c2, c3; same output: c0, c1, c2
+    assert line.startswith("| pask@0.33 | full | 6 | 33.3 | 66.7 | 1 | 3 |")
+    assert line.endswith("| 50.0 |")
+    assert paired.main([str(tmp_path), "h2o@0.33", "full"]) == 1
