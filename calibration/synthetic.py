@@ -40,11 +40,12 @@ class SyntheticModelError(PaskError):
     """Bad parameters for a synthetic GGUF."""
 
 
-def _tokenizer(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+def _tokenizer(n_vocab: int, control: tuple[str, ...] = ()) -> tuple[list[str], list[float], list[int]]:
     import gguf
 
-    tokens = list(_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens = list(_SPECIALS) + [f"<0x{b:02X}>" for b in range(256)] + list(control)
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.CONTROL] * len(control))
     letters = "abcdefghijklmnopqrstuvwxyz"
     extra = n_vocab - len(tokens)
     # filler pieces: "▁" (the SPM space), "▁a".."▁z", then two-letter pieces; all NORMAL tokens with decreasing scores
@@ -53,18 +54,20 @@ def _tokenizer(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
         fill += [f"\u2581w{i}" for i in range(extra - len(fill))]
     tokens += fill[:extra]
     types += [gguf.TokenType.NORMAL] * extra
-    scores = [0.0] * _N_BASE_TOKENS + [-float(i + 1) for i in range(extra)]
+    scores = [0.0] * (_N_BASE_TOKENS + len(control)) + [-float(i + 1) for i in range(extra)]
     return tokens, scores, [int(t) for t in types]
 
 
 def write_synthetic_gguf(path: str | os.PathLike[str], arch: str = "qwen3", n_layer: int = 4,
-                         dtype: str = "f32", seed: int = 0, **dims: object) -> Path:
+                         dtype: str = "f32", seed: int = 0, chat_template: str | None = None,
+                         control_tokens: tuple[str, ...] = (), **dims: object) -> Path:
     """Write a random-weight ``arch`` GGUF at ``path`` and return its Path.
 
     dims (defaults per arch in ``_DEFAULTS``): n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab,
     n_ctx, rope_base, rms_eps, tie_embeddings; gemma3 also rope_base_swa, sliding_window,
     swa_pattern (int period as in llama.cpp, or a per-layer bool list), final_logit_softcapping
-    (0: none). dtype: the matrices' type, "f32", "f16", "bf16", "q8_0", "q5_0" or "q4_0" (quantized with
+    (0: none). chat_template / control_tokens: a jinja chat template for the GGUF metadata and the
+    control tokens it uses (added to the vocab after the byte tokens). dtype: the matrices' type, "f32", "f16", "bf16", "q8_0", "q5_0" or "q4_0" (quantized with
     gguf's own quantizers); norm weights stay f32, as llama.cpp's converter does.
     """
     import gguf
@@ -83,8 +86,9 @@ def write_synthetic_gguf(path: str | os.PathLike[str], arch: str = "qwen3", n_la
     head_dim, n_ff, n_vocab = int(d["head_dim"]), int(d["n_ff"]), int(d["n_vocab"])
     if n_head % n_head_kv:
         raise SyntheticModelError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
-    if n_vocab < _N_BASE_TOKENS:
-        raise SyntheticModelError(f"n_vocab must be >= {_N_BASE_TOKENS} (specials + 256 byte tokens)")
+    if n_vocab < _N_BASE_TOKENS + len(control_tokens):
+        raise SyntheticModelError(f"n_vocab must be >= {_N_BASE_TOKENS + len(control_tokens)} "
+                                  "(specials + 256 byte tokens + control tokens)")
 
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[_MATRIX_TYPES[dtype][0]]
@@ -136,7 +140,7 @@ def write_synthetic_gguf(path: str | os.PathLike[str], arch: str = "qwen3", n_la
         if float(d["final_logit_softcapping"]) > 0:
             w.add_final_logit_softcapping(float(d["final_logit_softcapping"]))
 
-    tokens, scores, types = _tokenizer(n_vocab)
+    tokens, scores, types = _tokenizer(n_vocab, tuple(control_tokens))
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -147,6 +151,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], arch: str = "qwen3", n_la
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     # Gemma multiplies embeddings by sqrt(n_embd): keep its raw table small so the scaled input is O(1).

@@ -168,9 +168,43 @@ def render_chat(template: str, tools: list[ToolSpec], request: str, examples: li
     return [s for s in out if s[0]]
 
 
-def map_spans(model: Model, spans: list[Span], add_bos: bool = True) -> tuple[list[int], list[C]]:
-    """Token ids of the whole prompt and one class per token (see module docstring)."""
+def map_spans(model: Model, spans: list[Span], add_bos: bool = True,
+              special_template: bool = False) -> tuple[list[int], list[C]]:
+    """Token ids of the whole prompt and one class per token (see module docstring).
+
+    ``special_template``: template spans are tokenised on their own with special-token parsing, so
+    a chat template's control tokens (``<|im_start|>``, ``<start_of_turn>``) become the control
+    tokens the model was trained on; every other span (tools, examples, the user's text) is
+    tokenised without it, so text in a request can never forge a control token.
+    """
     spans = [s for s in spans if s[0]]
+    if special_template:
+        tokens, classes, group = [], [], []
+        for span in [*spans, None]:
+            if span is not None and span[1] is not C.TEMPLATE:
+                group.append(span)
+                continue
+            if group:
+                t, c = _aligned(model, group)
+                tokens += t
+                classes += c
+                group = []
+            if span is not None:
+                ids = model.tokenize(span[0], add_special=False, parse_special=True)
+                tokens += ids
+                classes += [C.TEMPLATE] * len(ids)
+    else:
+        tokens, classes = _aligned(model, spans)
+    if add_bos and model.bos >= 0:
+        tokens = [model.bos, *tokens]
+        classes = [C.SINK, *classes]
+    elif classes:
+        classes[0] = C.SINK
+    return tokens, classes
+
+
+def _aligned(model: Model, spans: list[Span]) -> tuple[list[int], list[C]]:
+    """The spans' text tokenised as a whole, each token taking its span's class (module docstring)."""
     text = "".join(s for s, _ in spans)
     tokens = model.tokenize(text, add_special=False, parse_special=False)
     pieces = [model.piece(t) for t in tokens]
@@ -198,11 +232,6 @@ def map_spans(model: Model, spans: list[Span], add_bos: bool = True) -> tuple[li
             ids = model.tokenize(s, add_special=False, parse_special=False)
             tokens += ids
             classes += [cls] * len(ids)
-    if add_bos and model.bos >= 0:
-        tokens = [model.bos, *tokens]
-        classes = [C.SINK, *classes]
-    elif classes:
-        classes[0] = C.SINK
     return tokens, classes
 
 
@@ -223,5 +252,5 @@ def render_prompt(model: Model, tools: list[ToolSpec], request: str, examples: l
         spans = render_plain(tools, request, examples, parallel)
     else:
         raise PaskError(f"unknown prompt style '{style}' (auto, plain, chat)")
-    tokens, classes = map_spans(model, spans)
+    tokens, classes = map_spans(model, spans, special_template=style == "chat")
     return Prompt(spans=spans, tokens=tokens, classes=classes, style=style)
