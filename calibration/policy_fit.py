@@ -8,8 +8,8 @@ Floors (task-error sensitivity), from a mean NLL increase ``d`` (nats per gold t
   floor = ``floor_hi`` (1.0) if d >= ``tau_hi``; ``floor_lo`` (0.5) if d >= ``tau_lo``; else 0.
 When the records carry joint measurements (the class evicted in every layer at once;
 ``signals.measure_joint``), ``d`` is the class's joint increase and the floor starts in every group:
-the joint signal says whether a class must persist at all, which single-group evictions miss
-(groups back each other up). Records without them (older caches) fall back to the per-cell ``d``.
+the joint signal says whether a class must persist at all, which single-group evictions can miss
+when groups back each other up. Records without them (older caches) fall back to the per-cell ``d``.
 Floor cap: the floors must leave room under small budgets. Their expected KV mass, the sum over
 cells of floor x (share of c in the calib sequences) x (share of layers in g), plus the sinks, is
 kept <= ``floor_cap`` (generated classes do not count: the engine keeps the call being written

@@ -95,3 +95,22 @@ def test_cli_bad_input_is_one_line_error(args, msg, capsys, tmp_path):
     assert exc.value.code != 0
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_report_only_never_generates(tmp_path):
+    from pathlib import Path
+
+    from pask_local.eval.report import summarize
+    from pask_local.eval.runner import EvalConfig, run_eval
+
+    def no_generation(method, spec):
+        raise AssertionError(f"report_only built a generator for {method}")
+
+    cfg = EvalConfig(gguf=Path("model.gguf"), out=tmp_path, methods=["full", "h2o"], categories=["simple_python"],
+                     limit=2, report_only=True)
+    store, cases, runs = run_eval(cfg, factory=no_generation)
+    assert len(cases) == 2 and not store.records
+    store.add(_rec(cases[0], "full", None, True))       # one stored case: reported, the rest stays missing
+    store, cases, runs = run_eval(cfg, factory=no_generation)
+    s = summarize(store, cases, runs)
+    assert [r["n"] for r in s["runs"]] == [1, 0] and not s["complete"]

@@ -49,6 +49,8 @@ def eval_command(
     max_tokens: Annotated[int, typer.Option(help="Generation limit per case.")] = 256,
     examples: Annotated[bool, typer.Option("--examples/--no-examples",
                                            help="Few-shot examples from the calibration split.")] = True,
+    report_only: Annotated[bool, typer.Option("--report-only", help="Only rebuild the tables and plot from the "
+                                              "cases already in --out (runs with missing cases show fewer).")] = False,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -74,7 +76,7 @@ def eval_command(
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
     cfg = EvalConfig(gguf=resolve_model(gguf), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
-                     max_tokens=max_tokens, use_examples=examples)
+                     max_tokens=max_tokens, use_examples=examples, report_only=report_only)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -2,8 +2,8 @@
 
 ``run_eval`` loads the cases (bundled categories or ``--dataset``), keeps those of the requested
 split, applies the per-category ``limit`` (first N in file order), then for each (method, budget)
-generates and scores the cases the result store does not hold yet. A generator is only built when
-it has work, so a finished run re-reports without loading the model. A rich progress bar shows the
+generates and scores the cases the result store does not hold yet (``report_only``: none). A
+generator is only built when it has work, so a finished run re-reports without loading the model. A rich progress bar shows the
 count, the running accuracy and the ETA.
 """
 
@@ -50,6 +50,7 @@ class EvalConfig:
     max_tokens: int = 256
     n_ctx: int = 8192
     use_examples: bool = True
+    report_only: bool = False   # rebuild the reports from stored records; generate nothing
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -133,7 +134,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
     runs = runs_of(cfg.methods, cfg.budgets)
     cases = select_cases(cfg)
     store = ResultStore(cfg.out, manifest(cfg))
-    pending = {run: [c for c in cases if not store.done(c.id, run[0], run[1])] for run in runs}
+    pending = {run: [] if cfg.report_only else [c for c in cases if not store.done(c.id, run[0], run[1])]
+               for run in runs}
     total = sum(len(v) for v in pending.values())
     console = console or Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
