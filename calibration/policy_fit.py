@@ -82,13 +82,7 @@ def summarise(records: Sequence[dict[str, Any]], n_groups: int) -> dict[tuple[in
             d, x = acc.setdefault(key, ([], []))
             d.append(float(cell["dnll"]))
             x.append(float(cell["distortion"]))
-    out = {}
-    for key, (d, x) in acc.items():
-        n = len(d)
-        mean = sum(d) / n
-        sem = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n) if n > 1 else float("nan")
-        out[key] = Cell(mean, sem, sum(x) / n, n)
-    return out
+    return {key: _cell(d, x) for key, (d, x) in acc.items()}
 
 
 def summarise_joint(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, Cell]:
@@ -99,13 +93,15 @@ def summarise_joint(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, 
             d, x = acc.setdefault(StructuralClass(cell["class"]), ([], []))
             d.append(float(cell["dnll"]))
             x.append(float(cell["distortion"]))
-    out = {}
-    for c, (d, x) in acc.items():
-        n = len(d)
-        mean = sum(d) / n
-        sem = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n) if n > 1 else float("nan")
-        out[c] = Cell(mean, sem, sum(x) / n, n)
-    return out
+    return {c: _cell(d, x) for c, (d, x) in acc.items()}
+
+
+def _cell(dnll: list[float], distortion: list[float]) -> Cell:
+    """Mean and standard error of the NLL increases, mean distortion, over the measured cases."""
+    n = len(dnll)
+    mean = sum(dnll) / n
+    sem = math.sqrt(sum((v - mean) ** 2 for v in dnll) / (n - 1) / n) if n > 1 else float("nan")
+    return Cell(mean, sem, sum(distortion) / n, n)
 
 
 def class_shares(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, float]:
