@@ -133,7 +133,7 @@ def calibrate_command(
 
     from .cases import CaseSkipped, build_case
     from .reference import ReferenceModel
-    from .signals import measure_case, measure_joint, n_cells
+    from .signals import measure_case, measure_joint, n_cells, n_joint_cells
 
     console = Console(stderr=True, quiet=quiet)
     if cases <= 0:
@@ -202,9 +202,8 @@ def calibrate_command(
             if ref is None:
                 ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
             tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens)
-            n = sum(1 for c in set(tc.classes) if c.value != "sink")
-            rec = {**done[case.id], "joint": measure_joint(ref, tc, chunk=chunk,
-                                                            on_cell=_ticker(progress, task, case.id, n))}
+            tick = _ticker(progress, task, case.id, n_joint_cells(tc))
+            rec = {**done[case.id], "joint": measure_joint(ref, tc, chunk=chunk, on_cell=tick)}
             _append(cache, rec)
             done[case.id] = rec
     records = [done[c.id] for c in pool if c.id in done and "cells" in done[c.id]][:want]

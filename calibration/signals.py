@@ -208,8 +208,12 @@ def measure_joint(ref: ReferenceModel, case: TFCase, chunk: int = DEFAULT_CHUNK,
     return out
 
 
+def n_joint_cells(case: TFCase, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> int:
+    """How many cells ``measure_joint`` evaluates for ``case``: one per class present."""
+    return len(set(case.classes) - set(skip))
+
+
 def n_cells(case: TFCase, n_groups: int, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> int:
     """How many cells ``measure_case`` evaluates for ``case`` (for progress bars): one per
     (group, class) plus one joint cell per class."""
-    present = {c for c in case.classes} - set(skip)
-    return len(present) * (n_groups + 1)
+    return n_joint_cells(case, skip) * (n_groups + 1)

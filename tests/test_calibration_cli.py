@@ -91,3 +91,22 @@ def test_bad_input_is_a_one_line_error(synth, tmp_path, kwargs, match):
 def test_missing_model_file_is_a_one_line_error(tmp_path):
     with pytest.raises(PaskError, match="not found"):
         calibrate_command(tmp_path / "missing.gguf", ["simple_python"], 1, tmp_path / "p.json", quiet=True)
+
+
+def test_cache_without_joint_cells_gets_them_added(synth, tmp_path):
+    out = tmp_path / "policy.json"
+    cache = tmp_path / "policy.cases.jsonl"
+    run(synth, out, 1)
+    rec = measured_lines(cache)[0]
+    assert rec["joint"] and run(synth, out, 1).provenance["floor_signal"] == "joint"
+    # a cache line from before joint cells existed, with a marker in its per-group cells
+    old = {k: v for k, v in rec.items() if k != "joint"}
+    old["cells"][0]["dnll"] = 42.0
+    cache.write_text(json.dumps(old) + "\n")
+    pol = run(synth, out, 1)
+    lines = [json.loads(x) for x in cache.read_text().splitlines()]
+    assert len(lines) == 2 and "joint" not in lines[0]          # the upgraded record is appended
+    assert lines[1]["cells"][0]["dnll"] == 42.0                 # per-group cells kept, not re-measured
+    assert [j["class"] for j in lines[1]["joint"]] == [j["class"] for j in rec["joint"]]
+    assert [j["dnll"] for j in lines[1]["joint"]] == pytest.approx([j["dnll"] for j in rec["joint"]])
+    assert pol.provenance["floor_signal"] == "joint"
