@@ -5,9 +5,14 @@ converts the activation row ``x`` to the weight type's ``vec_dot_type`` (ggml-cp
 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 -> Q8_0 (blocks of 32, fp16 scale), K-quants -> Q8_K (blocks of 256,
 float32 scale), F16 -> F16, BF16 -> BF16. The default KV cache is F16, so K/V are rounded to f16
 and, in the non-flash attention path, Q (for K^T Q) and the softmax probabilities (for V P) are
-converted to f16 as well. GELU goes through an fp16 lookup table (GGML_GELU_FP16). These functions
-reproduce those roundings (formulas of ggml's reference quantizers), nothing more: the math stays
-the reference's own.
+converted to f16 as well. GELU goes through an fp16 lookup table (GGML_GELU_FP16), and RoPE
+angles come from a float32 cache (``theta *= theta_scale`` per pair). These functions reproduce
+those roundings, nothing more: the math stays the reference's own.
+
+The activation quantizers are bit-exact to ggml-cpu's x86 ``from_float`` (tests/test_ggml_numerics.py
+calls ggml's own). What remains between the reference and llama.cpp is summation order inside the
+matmuls (~2e-7 relative), which an occasional flipped 8-bit rounding amplifies; llama.cpp's own
+batch and token-by-token runs differ by the same mechanism (scripts/check_reference.py prints both).
 """
 
 from __future__ import annotations
@@ -36,14 +41,20 @@ class GGMLNumerics:
     act_quant: bool = True      # activation -> vec_dot_type before each weight matmul
     kv_f16: bool = True         # F16 KV cache: K, V, Q (for KQ) and probs (for KQV) rounded to f16
     gelu_table: bool = True     # GELU through the fp16 table
+    rope_cache: bool = True     # RoPE angles as ggml_rope_cache_init computes them (float32 powers)
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """Round-trip x [..., K] through Q8_0 (ggml quantize_row_q8_0: d = amax/127 stored as fp16)."""
+    """Round-trip x [..., K] through Q8_0 as ggml-cpu's x86 quantize_row_q8_0 does it: scale by
+    id = 127/amax (not 1/d: the two differ in the last bit, enough to move a rounding tie), round
+    half to even, keep d = amax/127 as fp16."""
     shape = x.shape
     xb = x.float().reshape(*shape[:-1], shape[-1] // 32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    # tensor / tensor: torch computes ``scalar / tensor`` as reciprocal-then-multiply (two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                      torch.zeros_like(amax))
     q = torch.round(xb * inv)
     return (q * d.half().float()).reshape(shape)
 
@@ -55,7 +66,7 @@ def quantize_q8_K(x: torch.Tensor) -> torch.Tensor:
     idx = xb.abs().argmax(-1, keepdim=True)
     mx = torch.gather(xb, -1, idx)
     nz = mx != 0
-    iscale = torch.where(nz, -127.0 / torch.where(nz, mx, torch.ones_like(mx)), torch.zeros_like(mx))
+    iscale = torch.where(nz, torch.full_like(mx, -127.0) / torch.where(nz, mx, torch.ones_like(mx)), torch.zeros_like(mx))
     q = torch.clamp(torch.round(iscale * xb), max=127.0)
     d = torch.where(nz, 1.0 / torch.where(nz, iscale, torch.ones_like(iscale)), torch.zeros_like(iscale))
     return (q * d).reshape(shape)
@@ -82,3 +93,19 @@ def gelu_tanh_table(x: torch.Tensor) -> torch.Tensor:
     """ggml_vec_gelu_f32 with GGML_GELU_FP16: y = f16(gelu(f16(x))), 0 below -10, x above 10."""
     y = F.gelu(x.half().float(), approximate="tanh").half().float()
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+def rope_angles(pos: torch.Tensor, base: float, freq_scale: float, n_rot: int) -> torch.Tensor:
+    """RoPE angles [T, n_rot/2] as ggml-cpu's rope cache computes them: theta_scale =
+    powf(base, -2.0f/n_rot); theta starts at (float) p and is multiplied by theta_scale in float32
+    for each pair; the angle is freq_scale * theta in float32. Returned as float64 so that cos/sin
+    of it round once to float32, like cosf/sinf."""
+    f32 = torch.float32
+    expo = torch.tensor(-2.0, dtype=f32) / torch.tensor(float(n_rot), dtype=f32)
+    ts = torch.tensor(float(base), dtype=torch.float64).pow(expo.double()).to(f32)
+    theta = pos.to(f32)
+    cols = []
+    for _ in range(n_rot // 2):
+        cols.append(theta * torch.tensor(float(freq_scale), dtype=f32))
+        theta = theta * ts
+    return torch.stack(cols, dim=-1).double()

@@ -87,9 +87,14 @@ def _default_device() -> torch.device:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """llama.cpp's ggml_rms_norm followed by a multiply with the stored weight (float32)."""
+    """llama.cpp's ggml_rms_norm followed by a multiply with the stored weight, in ggml-cpu's
+    order of roundings: float32 squares summed in double, mean rounded to float32,
+    scale = 1/sqrtf(mean + eps), y = (x * scale) * w."""
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+    mean = ((x * x).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    # float32 torch.sqrt is not always correctly rounded on CPU (vectorized approximation); sqrtf is
+    scale = torch.ones_like(mean) / torch.sqrt((mean + eps).double()).float()
+    return (x * scale) * w.float()
 
 
 class ReferenceModel:
@@ -252,8 +257,11 @@ class ReferenceModel:
         half = hp.n_rot // 2
         out = {}
         for swa, (base, fscale) in ((False, (hp.rope_base, hp.rope_freq_scale)), (True, (hp.rope_base_swa, 1.0))):
-            inv = base ** (-torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / hp.n_rot)
-            ang = (pos.to(torch.float64)[:, None] * fscale) * inv[None, :]          # [T, half]
+            if self.numerics is not None and self.numerics.rope_cache:
+                ang = gn.rope_angles(pos, base, fscale, hp.n_rot)
+            else:
+                inv = base ** (-torch.arange(half, dtype=torch.float64, device=pos.device) * 2.0 / hp.n_rot)
+                ang = (pos.to(torch.float64)[:, None] * fscale) * inv[None, :]          # [T, half]
             out[swa] = (ang.cos().float()[:, None, :], ang.sin().float()[:, None, :])
         return out
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Print how well the torch reference model agrees with llama.cpp on a GGUF (default: the embedded
 Gemma 3 270M): top-1 agreement and KL(llama || reference) over every position of a few prompts,
-for the plain float reference and for the reference that reproduces ggml-cpu's roundings.
+for the plain float reference and for the reference that reproduces ggml-cpu's roundings. As a
+yardstick it also prints how well llama.cpp agrees with itself (one batch vs token-by-token decode:
+the same math summed in another order), and the reference's agreement on the positions where
+llama.cpp's two runs agree.
 
     .venv/bin/python scripts/check_reference.py [--gguf PATH] [--numerics] [--prompt TEXT ...]
 """
@@ -39,6 +42,21 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def llama_run(model: Model, toks: list[int], n_batch: int) -> torch.Tensor:
+    """llama.cpp's logits [T, n_vocab] at every position, decoding ``n_batch`` tokens per call."""
+    ctx = Context(model, ContextConfig(n_ctx=max(512, len(toks) + 8), n_batch=n_batch))
+    rows: list[np.ndarray] = []
+    try:
+        for s in range(0, len(toks), n_batch):
+            chunk = toks[s:s + n_batch]
+            if ctx.decode(chunk, s, logits="all") != 0:
+                raise PaskError("llama_decode failed")
+            rows += [ctx.logits(i) for i in range(len(chunk))]
+    finally:
+        ctx.close()
+    return torch.from_numpy(np.stack(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="model file (default: the embedded Gemma 3 270M)")
@@ -58,14 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         prompts = args.prompt or DEFAULT_PROMPTS
         variants = [("ggml-numerics", GGMLNumerics())] if args.numerics else \
             [("float", None), ("ggml-numerics", GGMLNumerics())]
-        llama_logits = []
+        llama_logits, stable = [], []
+        self_agree, self_kl = [], []
         for text in prompts:
             toks = model.tokenize(text, add_special=True)
-            ctx = Context(model, ContextConfig(n_ctx=max(512, len(toks) + 8), n_batch=512))
-            if ctx.decode(toks, 0, logits="all") != 0:
-                raise PaskError("llama_decode failed")
-            llama_logits.append((toks, torch.from_numpy(np.stack([ctx.logits(i) for i in range(len(toks))]))))
-            ctx.close()
+            L = llama_run(model, toks, n_batch=512)        # one batch, as the reference computes
+            S = llama_run(model, toks, n_batch=1)          # token by token, as generation decodes
+            llama_logits.append((toks, L))
+            same = L.argmax(1) == S.argmax(1)
+            stable.append(same)
+            self_agree.append(same.float())
+            self_kl.append(log_softmax_kl(L, S))
+        a_self, kl_self = torch.cat(self_agree), torch.cat(self_kl)
+        print(f"[llama.cpp vs itself] batch vs token-by-token decode, {a_self.numel()} positions: top-1 "
+              f"agreement {a_self.mean():.2%}, KL mean {kl_self.mean():.5f} max {kl_self.max():.4f}")
         for name, numerics in variants:
             ref.numerics = numerics
             agree, kls, margins = [], [], []
@@ -82,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             a_all, kl_all = torch.cat(agree), torch.cat(kls)
             print(f"[{name}] {a_all.numel()} positions: top-1 agreement {a_all.mean():.2%}, "
                   f"KL(llama||ref) mean {kl_all.mean():.5f} max {kl_all.max():.4f}")
+            st = torch.cat(stable)
+            print(f"[{name}] on the {int(st.sum())} positions where llama.cpp agrees with itself: "
+                  f"top-1 agreement {a_all[st].mean():.2%}")
             m = torch.cat(margins)
             if m.numel():
                 print(f"[{name}] the {m.numel()} disagreements are near-ties in llama.cpp's own logits: "

@@ -245,21 +245,44 @@ def gemma_ref(gemma_path):
     return ReferenceModel.from_gguf(gemma_path)
 
 
+def llama_logits_batched(model: Model, toks: list[int], n_batch: int) -> torch.Tensor:
+    """llama.cpp logits at every position, decoding ``n_batch`` tokens per llama_decode call."""
+    ctx = Context(model, ContextConfig(n_ctx=1024, n_batch=n_batch))
+    rows = []
+    for s in range(0, len(toks), n_batch):
+        chunk = toks[s:s + n_batch]
+        assert ctx.decode(chunk, s, logits="all") == 0
+        rows += [ctx.logits(i) for i in range(len(chunk))]
+    ctx.close()
+    return torch.from_numpy(np.stack(rows))
+
+
 @pytest.mark.slow
 def test_embedded_gemma_agrees_with_llama(gemma_path, gemma_ref):
+    """On the Q4_K_M model, llama.cpp's logits depend on its own summation order: one batch and
+    token-by-token decoding of the same prompt disagree on top-1 at a few % of positions (near
+    ties, flipped by 8-bit activation roundings). The reference with ggml-cpu's roundings must agree
+    with llama.cpp's batch run at least as well as llama.cpp's token-by-token run does, and almost
+    always where llama.cpp agrees with itself."""
     model = Model(gemma_path)
     assert gemma_ref.arch == "gemma3" and gemma_ref.n_vocab == model.n_vocab
-    top1, kls = [], []
+    gemma_ref.numerics = GGMLNumerics()
+    ref_top1, self_top1, ref_kl, self_kl = [], [], [], []
     for text in PROMPTS:
         toks = model.tokenize(text, add_special=True)
-        L = torch.from_numpy(llama_logits(model, toks, n_ctx=1024))
+        L = llama_logits_batched(model, toks, n_batch=512)
+        S = llama_logits_batched(model, toks, n_batch=1)
         R = gemma_ref.forward(torch.tensor(toks))
-        top1.append((L.argmax(1) == R.argmax(1)).float())
-        kls.append(log_softmax_kl(L, R))
-    agree = torch.cat(top1).mean().item()
-    kl = torch.cat(kls)
-    print(f"\nembedded gemma: {kl.numel()} positions, top-1 agreement {agree:.2%}, "
-          f"KL(llama||ref) mean {kl.mean():.4f} max {kl.max():.4f}")
-    # measured: ~95% top-1, mean KL ~0.008 (see scripts/check_reference.py for the breakdown)
-    assert agree >= 0.90
-    assert kl.mean() < 0.03
+        ref_top1.append(L.argmax(1) == R.argmax(1))
+        self_top1.append(L.argmax(1) == S.argmax(1))
+        ref_kl.append(log_softmax_kl(L, R))
+        self_kl.append(log_softmax_kl(L, S))
+    ref_a, self_a = torch.cat(ref_top1), torch.cat(self_top1)
+    ref_k, self_k = torch.cat(ref_kl), torch.cat(self_kl)
+    stable = ref_a[self_a].float().mean().item()
+    print(f"\nembedded gemma, {ref_a.numel()} positions: reference top-1 {ref_a.float().mean():.2%} "
+          f"KL {ref_k.mean():.4f}; llama.cpp token-by-token top-1 {self_a.float().mean():.2%} "
+          f"KL {self_k.mean():.4f}; reference on llama.cpp's self-consistent positions {stable:.2%}")
+    assert ref_a.float().mean() >= self_a.float().mean() - 0.02
+    assert ref_k.mean() < 2 * self_k.mean()
+    assert stable >= 0.97
