@@ -18,8 +18,9 @@ from rich.table import Table
 from .errors import PaskError
 from .jsonfile import read_json_file
 
-METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, or pask-prior "
-               "(PASK with the hand-written prior policy).")
+METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
+               "(PASK with the hand-written prior policy) or pask-attn (PASK's class shares, ranked by "
+               "attention inside each class).")
 
 
 def _request_from_messages(path: Path) -> str:
@@ -43,7 +44,7 @@ def run_command(
                                              "Default: embedded Gemma 3 270M.", show_default=False)] = None,
     method: Annotated[str, typer.Option("--method", help=METHOD_HELP)] = "pask",
     budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,
-    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask only). "
+    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn). "
                                                 "Default: the model's shipped policy.", show_default=False)] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Allow a list of calls.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit.")] = 256,

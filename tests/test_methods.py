@@ -126,6 +126,39 @@ def test_pask_span_head_keeps_the_start_of_every_span():
     assert len(kept_old & set(range(2, 22))) < len(kept & set(range(2, 22)))
 
 
+def test_pask_attention_order_keeps_class_shares_and_ranks_by_score():
+    """within_class_order 'attention': each class keeps the share span-head would keep, but the
+    members that persist are the highest-scoring (pooled) ones, not the heads of spans."""
+    D, T, Q = class_index(C.DESCRIPTION), class_index(C.TOOL_NAME), class_index(C.QUERY)
+    classes = np.array([class_index(C.SINK)] + ([T] + [D] * 20) * 3 + [Q] * 16)
+    n = len(classes)
+    scores = np.full(n, 0.01)
+    hot = np.arange(30, 40)          # the middle of the second description
+    scores[hot] = 5.0
+    pol = _pask_policy()
+    pol.floors = [{**f, C.TOOL_NAME: 1.0} for f in pol.floors]
+    pol.within_class_order = "attention"
+    method = PASK(pol, recent=0)
+    assert method.needs_attention and method.compress_after_prefill
+    caps = method.capacities(0.5, classes, 4)
+    kept = set(method.select(view(n, scores=scores, classes=classes, layer=0), caps[0]).tolist())
+    head = PASK(_pask_policy(), recent=0)
+    head.policy.floors = pol.floors
+    head.policy.within_class_order = "span-head"
+    assert not head.needs_attention
+    head.capacities(0.5, classes, 4)
+    kept_head = set(head.select(view(n, classes=classes, layer=0), caps[0]).tolist())
+    for c in (D, T, Q):  # the same number of tokens of every class
+        members = {i for i in range(n) if classes[i] == c}
+        assert len(kept & members) == len(kept_head & members)
+    desc = {i for i in range(n) if classes[i] == D}
+    near_hot = set(range(hot[0] - 3, hot[-1] + 4))  # pooling (kernel 7) spreads the scores by 3
+    assert kept & desc and (kept & desc) <= near_hot
+    assert not (kept_head & desc) <= near_hot
+    with pytest.raises(RuntimeError, match="needs attention scores"):
+        method.select(view(n, classes=classes, layer=0), caps[0])
+
+
 def test_pask_rejects_policy_for_other_model():
     with pytest.raises(Exception, match="4 layers but the model has 6"):
         PASK(_pask_policy()).capacities(0.4, np.zeros(10, dtype=np.int64), 6)

@@ -224,7 +224,7 @@ class _Run:
         n = self.n_prompt
         chunk = self.cfg.chunk
         pask_keep = None
-        if isinstance(self.method, PASK):
+        if isinstance(self.method, PASK) and not self.method.compress_after_prefill:
             pask_keep = self._pask_prompt_plan()
         bounds = list(range(0, n, chunk)) + [n]
         if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,12 +19,14 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
                 warn: Callable[[str], None] | None = None) -> Method:
     """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (the
     model's default; ``warn`` receives the line saying when that is mapped or hand-written).
-    ``pask-prior`` is PASK with the hand-written prior (``policy/handwritten.py``), for comparisons."""
+    ``pask-prior`` is PASK with the hand-written prior (``policy/handwritten.py``), for comparisons;
+    ``pask-attn`` is PASK with the resolved policy's class shares, ranked by attention inside each
+    class (its ``within_class_order`` set to ``attention``)."""
     if name not in METHOD_NAMES:
         raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
-    if name not in ("pask", "pask-prior"):
+    if name not in ("pask", "pask-prior", "pask-attn"):
         if policy is not None:
-            raise PaskError(f"--policy applies to the pask method only, not '{name}'")
+            raise PaskError(f"--policy applies to the pask and pask-attn methods only, not '{name}'")
         return BASELINES[name]()
     if name == "pask-prior":
         if policy is not None:
@@ -38,7 +41,9 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     else:
         pol = Policy.load(policy)
     pol.check_model(model.n_layer)
+    if name == "pask-attn":
+        pol = dataclasses.replace(pol, within_class_order="attention")
     swa, window = swa_layers(model)
     method = PASK(pol, swa_layers=swa, window=window)
-    method.name = name  # "pask" or "pask-prior": what traces and stats report
+    method.name = name  # "pask", "pask-prior" or "pask-attn": what traces and stats report
     return method

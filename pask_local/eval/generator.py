@@ -23,7 +23,8 @@ from ..errors import PaskError
 from .data import Case
 from .prompting import Task, make_task
 
-KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask", "pask-prior")
+KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask", "pask-prior",
+                                   "pask-attn")
 
 
 @dataclass

@@ -15,7 +15,9 @@ BASELINES: dict[str, type[Method]] = {
     "full": FullKV, "streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV,
     "pyramidkv": PyramidKV, "tova": TOVA,
 }
-METHOD_NAMES = (*BASELINES, "pask", "pask-prior")  # pask-prior: PASK with the hand-written prior policy
+# pask-prior: PASK with the hand-written prior policy; pask-attn: the model's policy, ranked by
+# attention inside each class (within_class_order "attention")
+METHOD_NAMES = (*BASELINES, "pask", "pask-prior", "pask-attn")
 
 __all__ = ["BASELINES", "METHOD_NAMES", "H2O", "PASK", "TOVA", "FullKV", "LayerView", "Method",
            "PyramidKV", "SnapKV", "StreamingLLM"]

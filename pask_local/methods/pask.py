@@ -6,10 +6,13 @@ keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the po
 ``never_evict`` keep all); within a class the policy's ``within_class_order`` says which go first:
 ``oldest-first``, ``newest-first``, or ``span-head`` (a span is a run of same-class tokens, e.g. one
 tool's description: every span loses its tail before any span loses its head, so each tool keeps
-the start of its description instead of the oldest tools losing theirs whole). If rounding leaves
-the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give up tokens first,
-in the same order; if it leaves room, the most protective evicted tokens come back.
-Only this lookup runs online: no attention statistics are needed.
+the start of its description instead of the oldest tools losing theirs whole), or ``attention``
+(the tokens that the prompt's last ``window`` queries attend to most persist first: SnapKV's pooled
+observation-window statistic, used only to rank tokens inside a class whose share the policy fixed).
+If rounding leaves the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give
+up tokens first, in the same order; if it leaves room, the most protective evicted tokens come back.
+With the structural orders only this lookup runs online and the prompt is evicted while it is
+prefilled; ``attention`` needs the statistic, so the prompt is prefilled whole and compressed once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from ..classes import PROTECTION_ORDER, StructuralClass, class_index
 from ..policy import CompiledPolicy, Policy, compile_policy
 from .base import LayerView, Method
+from .snapkv import pool_scores
 
 _ALL = list(StructuralClass)
 _RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> protection rank
@@ -37,6 +41,10 @@ class PASK(Method):
         self.window = window
         self.group_of = policy.group_of_layer()
         self.compiled: CompiledPolicy | None = None
+        # ranking inside a class by attention needs the engine's observation-window statistic
+        self.needs_attention = policy.within_class_order == "attention"
+        self.compress_after_prefill = self.needs_attention
+        self.kernel = 7  # score pooling, as SnapKV
 
     def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
         counts = np.bincount(classes, minlength=len(_ALL))
@@ -64,7 +72,7 @@ class PASK(Method):
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
         kept = recent.copy()
-        worth = self._worth(pos, view.all_classes)  # within a class: higher persists first
+        worth = self._worth(pos, view.all_classes, view.scores)  # within a class: higher persists first
         for ci in np.unique(cls):
             of_class = cls == ci
             members = np.flatnonzero(of_class & ~kept)
@@ -86,9 +94,15 @@ class PASK(Method):
             kept[idx[order[: capacity - kept.sum()]]] = True
         return np.sort(pos[kept])
 
-    def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None) -> np.ndarray:
+    def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
+               scores: np.ndarray | None = None) -> np.ndarray:
         """Within-class persistence order of ``pos`` (higher persists first; all values distinct)."""
         order = self.policy.within_class_order
+        if order == "attention":
+            if scores is None:
+                raise RuntimeError("PASK with within_class_order 'attention' needs attention scores")
+            pooled = pool_scores(pos, scores, self.kernel)
+            return np.lexsort((pos, pooled)).argsort().astype(np.float64)  # rank; ties: newer first
         if order == "newest-first":
             return (-pos).astype(np.float64)
         if order == "span-head" and all_classes is not None and len(all_classes) > int(pos.max(initial=0)):

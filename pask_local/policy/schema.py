@@ -21,7 +21,7 @@ FORMAT_VERSION = 1
 KINDS = ("hand-written", "calibrated", "mapped")
 # Which tokens of a class go first when only part of it persists: the oldest, the newest, or the
 # tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist).
-ORDERS = ("oldest-first", "newest-first", "span-head")
+ORDERS = ("oldest-first", "newest-first", "span-head", "attention")
 
 
 class PolicyError(PaskError):
