@@ -103,9 +103,10 @@ def rope_angles(pos: torch.Tensor, base: float, freq_scale: float, n_rot: int) -
     f32 = torch.float32
     expo = torch.tensor(-2.0, dtype=f32) / torch.tensor(float(n_rot), dtype=f32)
     ts = torch.tensor(float(base), dtype=torch.float64).pow(expo.double()).to(f32)
+    fs = torch.tensor(float(freq_scale), dtype=f32)
     theta = pos.to(f32)
     cols = []
     for _ in range(n_rot // 2):
-        cols.append(theta * torch.tensor(float(freq_scale), dtype=f32))
+        cols.append(theta * fs)
         theta = theta * ts
     return torch.stack(cols, dim=-1).double()

@@ -76,18 +76,16 @@ def main(argv: list[str] | None = None) -> int:
         prompts = args.prompt or DEFAULT_PROMPTS
         variants = [("ggml-numerics", GGMLNumerics())] if args.numerics else \
             [("float", None), ("ggml-numerics", GGMLNumerics())]
-        llama_logits, stable = [], []
-        self_agree, self_kl = [], []
+        llama_logits, stable, self_kl = [], [], []
         for text in prompts:
             toks = model.tokenize(text, add_special=True)
             L = llama_run(model, toks, n_batch=512)        # one batch, as the reference computes
             S = llama_run(model, toks, n_batch=1)          # token by token, as generation decodes
             llama_logits.append((toks, L))
-            same = L.argmax(1) == S.argmax(1)
-            stable.append(same)
-            self_agree.append(same.float())
+            stable.append(L.argmax(1) == S.argmax(1))
             self_kl.append(log_softmax_kl(L, S))
-        a_self, kl_self = torch.cat(self_agree), torch.cat(self_kl)
+        st, kl_self = torch.cat(stable), torch.cat(self_kl)
+        a_self = st.float()
         print(f"[llama.cpp vs itself] batch vs token-by-token decode, {a_self.numel()} positions: top-1 "
               f"agreement {a_self.mean():.2%}, KL mean {kl_self.mean():.5f} max {kl_self.max():.4f}")
         for name, numerics in variants:
@@ -106,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
             a_all, kl_all = torch.cat(agree), torch.cat(kls)
             print(f"[{name}] {a_all.numel()} positions: top-1 agreement {a_all.mean():.2%}, "
                   f"KL(llama||ref) mean {kl_all.mean():.5f} max {kl_all.max():.4f}")
-            st = torch.cat(stable)
             print(f"[{name}] on the {int(st.sum())} positions where llama.cpp agrees with itself: "
                   f"top-1 agreement {a_all[st].mean():.2%}")
             m = torch.cat(margins)

@@ -63,16 +63,10 @@ def activations(seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_q8_0_round_trip_is_bit_exact(ggml_cpu, seed):
+@pytest.mark.parametrize(("ggml_type", "emulate"), [(GGML_TYPE_Q8_0, gn.quantize_q8_0),
+                                                     (GGML_TYPE_Q8_K, gn.quantize_q8_K)], ids=["q8_0", "q8_K"])
+def test_round_trip_is_bit_exact(ggml_cpu, ggml_type, emulate, seed):
     x = activations(seed)
-    ours = gn.quantize_q8_0(torch.from_numpy(x)).numpy()
-    theirs = ggml_round_trip(ggml_cpu, x, GGML_TYPE_Q8_0)
-    assert np.array_equal(ours, theirs), f"{int((ours != theirs).sum())} of {ours.size} values differ"
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_q8_K_round_trip_is_bit_exact(ggml_cpu, seed):
-    x = activations(seed)
-    ours = gn.quantize_q8_K(torch.from_numpy(x)).numpy()
-    theirs = ggml_round_trip(ggml_cpu, x, GGML_TYPE_Q8_K)
+    ours = emulate(torch.from_numpy(x)).numpy()
+    theirs = ggml_round_trip(ggml_cpu, x, ggml_type)
     assert np.array_equal(ours, theirs), f"{int((ours != theirs).sum())} of {ours.size} values differ"

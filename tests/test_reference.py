@@ -20,14 +20,21 @@ from pask_local.llm import Context, ContextConfig, Model
 GGML_TYPE_F32 = 0
 
 
-def llama_logits(model: Model, tokens: list[int], f32_kv: bool = False, n_ctx: int = 512) -> np.ndarray:
-    """llama.cpp's logits for every position of ``tokens`` (one sequence, full KV, positions 0..T-1)."""
+def llama_logits(model: Model, tokens: list[int], f32_kv: bool = False, n_ctx: int = 512,
+                 n_batch: int = 512) -> np.ndarray:
+    """llama.cpp's logits for every position of ``tokens`` (one sequence, full KV, positions 0..T-1),
+    decoding ``n_batch`` tokens per llama_decode call (only the last call's outputs stay readable,
+    so rows are read after each call)."""
     kv_type = GGML_TYPE_F32 if f32_kv else None
-    cfg = ContextConfig(n_ctx=n_ctx, n_batch=512, type_k=kv_type, type_v=kv_type)
+    cfg = ContextConfig(n_ctx=n_ctx, n_batch=n_batch, type_k=kv_type, type_v=kv_type)
     ctx = Context(model, cfg)
+    rows: list[np.ndarray] = []
     try:
-        assert ctx.decode(tokens, 0, logits="all") == 0
-        return np.stack([ctx.logits(i) for i in range(len(tokens))])
+        for s in range(0, len(tokens), n_batch):
+            chunk = tokens[s:s + n_batch]
+            assert ctx.decode(chunk, s, logits="all") == 0
+            rows += [ctx.logits(i) for i in range(len(chunk))]
+        return np.stack(rows)
     finally:
         ctx.close()
 
@@ -245,18 +252,6 @@ def gemma_ref(gemma_path):
     return ReferenceModel.from_gguf(gemma_path)
 
 
-def llama_logits_batched(model: Model, toks: list[int], n_batch: int) -> torch.Tensor:
-    """llama.cpp logits at every position, decoding ``n_batch`` tokens per llama_decode call."""
-    ctx = Context(model, ContextConfig(n_ctx=1024, n_batch=n_batch))
-    rows = []
-    for s in range(0, len(toks), n_batch):
-        chunk = toks[s:s + n_batch]
-        assert ctx.decode(chunk, s, logits="all") == 0
-        rows += [ctx.logits(i) for i in range(len(chunk))]
-    ctx.close()
-    return torch.from_numpy(np.stack(rows))
-
-
 @pytest.mark.slow
 def test_embedded_gemma_agrees_with_llama(gemma_path, gemma_ref):
     """On the Q4_K_M model, llama.cpp's logits depend on its own summation order: one batch and
@@ -270,8 +265,8 @@ def test_embedded_gemma_agrees_with_llama(gemma_path, gemma_ref):
     ref_top1, self_top1, ref_kl, self_kl = [], [], [], []
     for text in PROMPTS:
         toks = model.tokenize(text, add_special=True)
-        L = llama_logits_batched(model, toks, n_batch=512)
-        S = llama_logits_batched(model, toks, n_batch=1)
+        L = torch.from_numpy(llama_logits(model, toks, n_ctx=1024))
+        S = torch.from_numpy(llama_logits(model, toks, n_ctx=1024, n_batch=1))
         R = gemma_ref.forward(torch.tensor(toks))
         ref_top1.append(L.argmax(1) == R.argmax(1))
         self_top1.append(L.argmax(1) == S.argmax(1))
