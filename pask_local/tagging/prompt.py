@@ -2,7 +2,7 @@
 
 Two renderers: ``plain`` (base models such as the default Gemma 3 270M: fixed instructions, the
 tool list as JSON lines, optional few-shot examples given by the caller, the user query, then the
-call prefix) and ``chat`` (the GGUF's chat template rendered with jinja2; text the template adds is
+call prefix) and ``chat`` (the GGUF's chat template rendered in jinja2's sandbox, ``template.py``; text the template adds is
 ``template``). Tool definitions are serialised by ``tool_spans`` with per-piece classes (tool
 names, parameter names, required parameter names, types/enums/defaults/formats, descriptions,
 JSON punctuation and schema keywords).
@@ -25,6 +25,7 @@ from ..classes import more_protective
 from ..errors import PaskError
 from ..llm import Model
 from ..schema.tools import ToolSpec
+from .template import render_template
 
 Span = tuple[str, C]
 INSTRUCTIONS = ("You are a function-calling assistant. Answer the user's request with one JSON call "
@@ -142,22 +143,11 @@ def render_plain(tools: list[ToolSpec], request: str, examples: list[tuple[str, 
 def render_chat(template: str, tools: list[ToolSpec], request: str, examples: list[tuple[str, str]] | None = None,
                 parallel: bool = False, bos_text: str = "", eos_text: str = "") -> list[Span]:
     """Renders the chat template around sentinel strings, then splices the tagged spans in."""
-    import jinja2
-
     system, user, _ = _body_spans(tools, request, examples, parallel, "chat")
     s_sys, s_user = "\x00PASK_SYSTEM\x00", "\x00PASK_USER\x00"
-    env = jinja2.Environment(undefined=jinja2.ChainableUndefined, trim_blocks=False, lstrip_blocks=False)
-
-    def raise_exception(msg: str) -> None:
-        raise PaskError(f"chat template error: {msg}")
-
-    env.globals["raise_exception"] = raise_exception
-    try:
-        text = env.from_string(template).render(
-            messages=[{"role": "system", "content": s_sys}, {"role": "user", "content": s_user}],
-            add_generation_prompt=True, bos_token=bos_text, eos_token=eos_text, tools=None)
-    except jinja2.TemplateError as exc:
-        raise PaskError(f"cannot render the model's chat template: {exc}") from None
+    text = render_template(template, messages=[{"role": "system", "content": s_sys},
+                                               {"role": "user", "content": s_user}],
+                           add_generation_prompt=True, bos_token=bos_text, eos_token=eos_text, tools=None)
     if text.count(s_sys) != 1 or text.count(s_user) != 1:
         raise PaskError("the model's chat template does not place system and user messages once each")
     if bos_text and text.startswith(bos_text):
