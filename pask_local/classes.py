@@ -23,6 +23,7 @@ class StructuralClass(StrEnum):
     SCHEMA_PUNCT = "schema_punct"      # JSON syntax and schema keywords in tool definitions
     QUERY = "query"                    # the user's message
     EXAMPLE = "example"                # few-shot examples, if any
+    TOOL_RESULT = "tool_result"        # a tool's output returned in the conversation (role "tool")
     # --- generated side ---
     GEN_STRUCT = "gen_struct"          # braces, brackets, commas, colons, quotes
     GEN_NAME = "gen_name"              # the generated function name
@@ -49,6 +50,7 @@ PROTECTION_ORDER: tuple[StructuralClass, ...] = (
     StructuralClass.GEN_KEY,
     StructuralClass.GEN_VALUE_REQUIRED,
     StructuralClass.QUERY,
+    StructuralClass.TOOL_RESULT,
     StructuralClass.PARAM_TYPE,
     StructuralClass.TEMPLATE,
     StructuralClass.GEN_VALUE_OPTIONAL,

@@ -16,6 +16,7 @@ CLASS_STYLE: dict[C, tuple[str, str]] = {
     C.SCHEMA_PUNCT: ("#5f8787", "punct"),
     C.QUERY: ("#5fff5f", "query"),
     C.EXAMPLE: ("#afafff", "ex"),
+    C.TOOL_RESULT: ("#87d787", "result"),
     C.GEN_STRUCT: ("#d0d0d0", "g.st"),
     C.GEN_NAME: ("#ff87af", "g.name"),
     C.GEN_KEY: ("#ffaf00", "g.key"),

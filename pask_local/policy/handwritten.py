@@ -1,7 +1,8 @@
 """The hand-written starting policy: protect what a call cannot be rebuilt without.
 
 Sinks, tool names, required parameter names, the user's query, generated names and keys and
-required values get full floors; template tokens, types and optional names are half protected;
+required values get full floors; tool results (what a call returned, the values an answer quotes)
+are mostly protected; template tokens, types and optional names are half protected;
 descriptions, schema punctuation and whitespace go first. The same table is used for every layer
 group: it is a prior, to be replaced by measured (calibrated) policies. Within a class, spans lose
 their tails first (``span-head``): every tool keeps the start of its description.
@@ -15,11 +16,11 @@ from .schema import Policy, contiguous_groups
 FLOORS: dict[C, float] = {
     C.SINK: 1.0, C.TOOL_NAME: 1.0, C.PARAM_REQUIRED: 1.0, C.QUERY: 1.0,
     C.GEN_NAME: 1.0, C.GEN_KEY: 1.0, C.GEN_VALUE_REQUIRED: 1.0,
-    C.PARAM_NAME: 0.7, C.TEMPLATE: 0.5, C.GEN_VALUE_OPTIONAL: 0.7, C.PARAM_TYPE: 0.3,
+    C.PARAM_NAME: 0.7, C.TOOL_RESULT: 0.7, C.TEMPLATE: 0.5, C.GEN_VALUE_OPTIONAL: 0.7, C.PARAM_TYPE: 0.3,
     C.GEN_STRUCT: 0.3,
 }
 WEIGHTS: dict[C, float] = {
-    C.PARAM_NAME: 1.0, C.TEMPLATE: 0.8, C.GEN_VALUE_OPTIONAL: 1.0, C.PARAM_TYPE: 0.8,
+    C.PARAM_NAME: 1.0, C.TOOL_RESULT: 1.0, C.TEMPLATE: 0.8, C.GEN_VALUE_OPTIONAL: 1.0, C.PARAM_TYPE: 0.8,
     C.GEN_STRUCT: 0.6, C.EXAMPLE: 0.4, C.DESCRIPTION: 0.3, C.SCHEMA_PUNCT: 0.2, C.GEN_WS: 0.1,
 }
 
