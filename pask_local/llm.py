@@ -82,6 +82,8 @@ class Model:
         self.n_ctx_train: int = raw.llama_model_n_ctx_train(self._ptr)
         self.bos: int = raw.llama_vocab_bos(self.vocab)
         self.eos: int = raw.llama_vocab_eos(self.vocab)
+        # the GGUF's tokenizer.ggml.add_bos_token (Qwen2.5: false, its BOS id is <|endoftext|>)
+        self.add_bos: bool = bool(raw.llama_vocab_get_add_bos(self.vocab)) and self.bos >= 0
         self._pieces: dict[int, bytes] = {}
 
     @property
