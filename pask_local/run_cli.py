@@ -107,7 +107,8 @@ def run_command(
 
 
 def _print_stats(s: dict) -> None:
-    t = Table(title=f"{s['method']} @ budget {s['budget']}", show_header=False)
+    title = "full KV (no budget)" if s["budget"] is None else f"{s['method']} @ budget {s['budget']}"
+    t = Table(title=title, show_header=False)
     t.add_row("prompt tokens", str(s["n_prompt"]))
     t.add_row("generated tokens", str(s["n_gen"]))
     t.add_row("KV used after prefill", f"{s['budget_used_after_prefill']:.3f} of full")

@@ -162,24 +162,88 @@ async def test_search_help_and_heatmap_click():
         assert _step_text(app).splitlines()[-1].startswith(f"@{p} ")
 
 
+SHORT = 10  # --max-tokens of the shorter run: below any complete weather call, so it stops at 10 steps
+
+
+def _steps(path: Path) -> list[dict]:
+    return [o for o in _raw(path) if o["type"] == "step"]
+
+
+@pytest.mark.parametrize("short_first", [True, False], ids=["short-left", "short-right"])
 @sync
-async def test_compare_mode_shows_both_traces():
-    pask, snap = real_trace("pask"), real_trace("snapkv")
-    fin = {m: _raw(p)[-1] for m, p in (("pask", pask), ("snapkv", snap))}
-    app = TraceApp.from_traces([load_trace(pask), load_trace(snap)])
+async def test_compare_mode_shows_both_traces(short_first):
+    """Traces of different lengths (the same run cut at --max-tokens 10): End shows each pane's own
+    final state read from its own trace file; the slider runs to the longer trace's last step and
+    the shorter pane holds its last step, marked (ended)."""
+    long_p = real_trace("pask")
+    short_p = real_trace("pask", max_tokens=SHORT, valid=False)
+    paths = [short_p, long_p] if short_first else [long_p, short_p]
+    fin = [_raw(p)[-1] for p in paths]
+    last = [len(_steps(p)) - 1 for p in paths]
+    s, lg = (0, 1) if short_first else (1, 0)
+    assert last[s] == SHORT - 1 < last[lg], "the two traces must differ in length"
+    app = TraceApp.from_traces([load_trace(p) for p in paths])
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         assert not app.query_one(SidePanel).display
-        for i, m in enumerate(("pask", "snapkv")):
-            title = _title(app, i)
-            assert title.strip().startswith(m)
-            n_seq = fin[m]["n_prompt"] + sum(1 for o in _raw(pask if m == "pask" else snap) if o["type"] == "step")
-            assert f"g0 {len(fin[m]['retained']['0'])}/{n_seq} pos" in title
-            plain = {p for p, st in _styles(app, i).items() if "dim" not in st}
-            assert plain == set(fin[m]["retained"]["0"])
+
+        def at_end(group: int) -> None:
+            for i in range(2):
+                n_seq = fin[i]["n_prompt"] + last[i] + 1
+                assert f"g{group} {len(fin[i]['retained'][str(group)])}/{n_seq} pos" in _title(app, i)
+                plain = {p for p, st in _styles(app, i).items() if "dim" not in st}
+                assert plain == set(fin[i]["retained"][str(group)]), f"pane {i} group {group}"
+            assert _step_text(app, lg).startswith(f"step {last[lg]}/{last[lg]} ")
+            assert _step_text(app, s).startswith(f"step {last[s]}/{last[s]} (ended)")
+
+        at_end(0)
+        # one step back: the longer pane moves, the shorter one stays on its last step
+        await pilot.press("left")
+        assert _step_text(app, lg).startswith(f"step {last[lg] - 1}/{last[lg]} ")
+        assert f"+{_steps(paths[lg])[last[lg] - 1]['pos']} " in _step_text(app, lg)
+        assert _step_text(app, s).startswith(f"step {last[s]}/{last[s]} (ended)")
+        # from prefill, step both forward to the shorter trace's last step, then one past it
+        await pilot.press("home")
+        for i in range(2):
+            assert _step_text(app, i).startswith(f"prefill/{last[i]}")
+        await pilot.press(*["right"] * (last[s] + 1))
+        for i in range(2):
+            text = _step_text(app, i)
+            assert text.startswith(f"step {last[s]}/{last[i]} ") and "(ended)" not in text
+            assert f"+{_steps(paths[i])[last[s]]['pos']} " in text
+        await pilot.press("right")
+        assert _step_text(app, lg).startswith(f"step {last[s] + 1}/{last[lg]} ")
+        assert _step_text(app, s).startswith(f"step {last[s]}/{last[s]} (ended)")
+        # End, then group 2 (key "2" = group 1): each pane at its own final state again
+        await pilot.press("end")
+        at_end(0)
         await pilot.press("2")
-        for i, m in enumerate(("pask", "snapkv")):
-            assert f"g1 {len(fin[m]['retained']['1'])}/" in _title(app, i)
+        at_end(1)
+
+
+@sync
+async def test_full_kv_is_shown_without_a_budget():
+    """A Full run's header has budget null; the viewer calls it "full KV (no budget)" and never shows a
+    budget next to it, while the PASK pane beside it keeps its budget."""
+    full_p, pask_p = real_trace("full"), real_trace("pask")
+    assert _raw(full_p)[0]["budget"] is None
+    assert _raw(pask_p)[0]["budget"] == 0.33
+    app = TraceApp.from_traces([load_trace(full_p)])
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        top = _plain(app.query_one("#topbar", Static))
+        side = _on_screen(app, app.query_one(SidePanel))
+        title = _title(app)
+        assert "full KV (no budget)" in top and "budget 0.33" not in top
+        assert "full KV (no budget)" in side and "(no budget)" in side and "0.33" not in side
+        assert "full KV (no budget)" in title and "/0.33" not in title
+    app = TraceApp.from_traces([load_trace(pask_p), load_trace(full_p)])
+    async with app.run_test(size=(160, 30)) as pilot:
+        await pilot.pause()
+        top = _plain(app.query_one("#topbar", Static))
+        assert "pask · budget 0.33 vs full KV (no budget)" in top
+        assert "/0.33" in _title(app, 0)
+        assert "full KV (no budget)" in _title(app, 1) and "/0.33" not in _title(app, 1)
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 50)])

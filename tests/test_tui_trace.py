@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pask_local.tui.replay import Replay
 from pask_local.tui.trace import TraceError, load_trace
-from tui_helpers import real_trace, run_stats
+from tui_helpers import real_trace, run_stats, run_stderr
 
 from pask_local.errors import PaskError
 
@@ -200,3 +200,35 @@ def test_budget_used_matches_engine_stats(method):
     assert r.budget_used(-1) == pytest.approx(stats["budget_used_after_prefill"], abs=1e-9)
     assert r.budget_used(r.last_step) == pytest.approx(stats["budget_used_final"], abs=1e-9)
     assert r.kept_per_group(r.last_step) == stats["held_per_group"]
+
+
+# ----------------------------------------------------------- full KV has no budget
+@slow
+def test_full_kv_trace_and_stats_have_no_budget():
+    """`run --method full`: header budget null, --stats-json budget null, the --stats table titled
+    "full KV (no budget)"; a budgeted run keeps its budget in all three."""
+    full, pask = real_trace("full"), real_trace("pask")
+    assert json.loads(_lines(full)[0])["budget"] is None
+    assert load_trace(full).header.budget is None
+    assert run_stats(full)["budget"] is None
+    assert "full KV (no budget)" in run_stderr(full) and "@ budget" not in run_stderr(full)
+    assert load_trace(pask).header.budget == pytest.approx(0.33)
+    assert run_stats(pask)["budget"] == pytest.approx(0.33)
+    assert "pask @ budget 0.33" in run_stderr(pask) and "no budget" not in run_stderr(pask)
+
+
+@slow
+def test_budget_null_backward_compatible(tmp_path):
+    """Older Full traces carry the CLI's budget: still read as no budget. null is refused for a
+    method that has a budget, with a one-line error naming the line."""
+    lines = _lines(real_trace("full"))
+    head = json.loads(lines[0])
+    head["budget"] = 0.33
+    old = _write(tmp_path, [json.dumps(head), *lines[1:]], name="old-full.jsonl")
+    assert load_trace(old).header.budget is None
+    lines = _lines(real_trace("pask"))
+    head = json.loads(lines[0])
+    head["budget"] = None
+    bad = _write(tmp_path, [json.dumps(head), *lines[1:]], name="null-pask.jsonl")
+    with pytest.raises(TraceError, match=r"line 1: \"budget\" is null, but only full KV runs have no budget"):
+        load_trace(bad)

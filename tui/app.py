@@ -16,7 +16,7 @@ from textual.containers import Horizontal
 from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
-from .render import ViewState, legend, matches
+from .render import ViewState, legend, matches, run_label
 from .replay import CLASSES, Replay
 from .trace import Trace
 from .widgets import CursorTo, SidePanel, TracePane
@@ -25,6 +25,7 @@ HELP = """\
 [b]pask-local tui[/b]: which tokens' KV entries persist in which layer group
 
 [b]Replay[/b]  ←/→ previous/next step  PgUp/PgDn 10 steps  Home/End prefill/last
+        compare: End = the longer trace's end; a shorter pane shows "(ended)"
 [b]Group[/b]   g/G next/previous group  1-9 group number
 [b]Cursor[/b]  h/l previous/next token  j/k next/previous row
         (or click a token or a heatmap column)
@@ -147,10 +148,18 @@ class TraceApp(App[None]):
     def primary(self) -> Replay:
         return self.replays[0]
 
+    @property
+    def last_step(self) -> int:
+        """The slider's end: the longest trace's last step (a shorter pane holds its own last step)."""
+        return max(r.last_step for r in self.replays)
+
+    def clamp(self, step: int) -> int:
+        return max(-1, min(self.last_step, step))
+
     def refresh_view(self) -> None:
         s = self.state
         r = self.primary
-        s.step = r.clamp(s.step)
+        s.step = self.clamp(s.step)
         s.group = max(0, min(s.group, max(len(x.groups) for x in self.replays) - 1))
         s.cursor = max(0, min(s.cursor, max(x.n_pos for x in self.replays) - 1))
         views = [p.show(s) for p in self.query(TracePane)]
@@ -158,8 +167,8 @@ class TraceApp(App[None]):
         if side.display:
             side.show(views[0], s)
         h = r.trace.header
-        top = f" {h.method} vs {self.replays[1].trace.header.method}" if self.compare else f" {h.method}"
-        top += f" · {h.model} · budget {h.budget:.2f} · {r.n_prompt} prompt + {r.trace.n_gen} gen tokens"
+        top = " " + " vs ".join(run_label(x.trace.header) for x in self.replays)
+        top += f" · {h.model} · {r.n_prompt} prompt + {r.trace.n_gen} gen tokens"
         if s.query:
             top += f" · /{s.query} ({len(matches(r, s.query))})"
         if s.only is not None:
@@ -185,11 +194,11 @@ class TraceApp(App[None]):
 
     # ----------------------------------------------------------- actions
     def action_step(self, delta: int) -> None:
-        self.state.step = self.primary.clamp(self.primary.clamp(self.state.step) + delta)
+        self.state.step = self.clamp(self.clamp(self.state.step) + delta)
         self.refresh_view()
 
     def action_step_to(self, step: int) -> None:
-        self.state.step = self.primary.clamp(step)
+        self.state.step = self.clamp(step)
         self.refresh_view()
 
     def action_group(self, delta: int) -> None:

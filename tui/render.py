@@ -18,6 +18,7 @@ from pask_local.classes import StructuralClass
 
 from .replay import CLASSES, Replay
 from .style import breaks_line, colour, display_text, heat, short
+from .trace import Header
 
 FILTERED_OUT = "#3a3a3a"
 
@@ -37,17 +38,28 @@ class ViewState:
 
 @dataclass
 class PaneView:
-    """The state resolved against one trace."""
+    """The state resolved against one trace.
+
+    ``ended``: the shared step lies past this trace's last step (compare mode, a shorter trace), so
+    the pane holds its own final step."""
 
     replay: Replay
     step: int
     group: int
     cursor: int
+    ended: bool = False
 
     @classmethod
     def resolve(cls, replay: Replay, state: ViewState) -> PaneView:
-        return cls(replay=replay, step=replay.clamp(state.step), group=min(state.group, len(replay.groups) - 1),
-                   cursor=max(0, min(state.cursor, replay.n_pos - 1)))
+        step = replay.clamp(state.step)
+        return cls(replay=replay, step=step, group=min(state.group, len(replay.groups) - 1),
+                   cursor=max(0, min(state.cursor, replay.n_pos - 1)),
+                   ended=state.step > step and replay.trace.complete)
+
+
+def run_label(header: Header) -> str:
+    """``pask · budget 0.33``, or ``full KV (no budget)`` for a full-KV run (its header has no budget)."""
+    return "full KV (no budget)" if header.budget is None else f"{header.method} · budget {header.budget:.2f}"
 
 
 def group_label(replay: Replay, g: int) -> str:
@@ -213,8 +225,11 @@ def step_info(view: PaneView, state: ViewState, width: int) -> Text:
     last = r.last_step
     text = Text(no_wrap=True, overflow="ellipsis")
     label = f"{step_label(view.step)}/{last}" if last >= 0 else "prefill (no steps)"
-    text.append(f"{label:<13}", style="bold")
-    bar_w = max(4, width - 14)
+    if view.ended:
+        label += " (ended)"
+    label = f"{label:<13} "
+    text.append(label, style="bold")
+    bar_w = max(4, width - len(label))
     span = last + 1
     knob = round((view.step + 1) / span * (bar_w - 1)) if span > 0 else 0
     text.append("━" * knob, style="#2e8b57")
@@ -272,17 +287,22 @@ def side_panel(view: PaneView, state: ViewState) -> RGroup:
     r = view.replay
     h = r.trace.header
     head = Text()
-    head.append(f"{h.method}", style="bold")
-    head.append(f" · budget {h.budget:.2f}\n")
+    head.append(run_label(h), style="bold")
+    head.append("\n")
     head.append(f"{h.model}\n", style="dim")
     used = r.budget_used(view.step)
     head.append("KV used ")
-    over = used / h.budget
-    head.append(f"{used:.3f}", style="bold green" if over <= 1 + 1e-9 else ("bold yellow" if over <= 1.05 else "bold red"))
-    head.append(f" / budget {h.budget:.2f}\n")
+    if h.budget is None:
+        head.append(f"{used:.3f}", style="bold")
+        head.append(" (no budget)\n")
+    else:
+        over = used / h.budget
+        head.append(f"{used:.3f}", style="bold green" if over <= 1 + 1e-9 else
+                    ("bold yellow" if over <= 1.05 else "bold red"))
+        head.append(f" / budget {h.budget:.2f}\n")
     bar_w = 24
     fill = min(bar_w, round(used * bar_w))
-    mark = min(bar_w - 1, round(h.budget * bar_w))
+    mark = -1 if h.budget is None else min(bar_w - 1, round(h.budget * bar_w))
     bar = Text()
     for i in range(bar_w):
         bar.append("│" if i == mark else ("█" if i < fill else "░"), style="#2e8b57" if i < fill else "#444444")
@@ -324,13 +344,14 @@ def side_panel(view: PaneView, state: ViewState) -> RGroup:
 
 
 def pane_title(view: PaneView, state: ViewState) -> Text:
-    """One line per pane (compare mode): method, group, kept positions, KV used vs budget."""
+    """One line per pane (compare mode): method, group, kept positions, KV used vs budget (or no budget)."""
     r = view.replay
     h = r.trace.header
     held = int(r.group_held(view.step, view.group)[: r.n_seq(view.step)].sum())
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f" {h.method} ", style="bold reverse")
-    t.append(f" g{view.group} {held}/{r.n_seq(view.step)} pos · KV {r.budget_used(view.step):.2f}/{h.budget:.2f}")
+    kv = "full KV (no budget)" if h.budget is None else f"KV {r.budget_used(view.step):.2f}/{h.budget:.2f}"
+    t.append(f" g{view.group} {held}/{r.n_seq(view.step)} pos · {kv}")
     if state.only is not None:
         t.append(f" · only {short(state.only)}", style="bold")
     return t

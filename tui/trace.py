@@ -29,7 +29,7 @@ class Header:
     n_layer: int
     groups: list[list[int]]
     method: str
-    budget: float
+    budget: float | None   # None: no budget (full KV)
     request: str
     policy: dict[str, Any] | None
     capacity: list[int]
@@ -204,11 +204,17 @@ class TraceReader:
         window = o.get("window", 0)
         if not (isinstance(swa, list) and all(_is_int(i) and 0 <= i < n_layer for i in swa)) or not _is_int(window):
             raise self._fail("\"swa_layers\" must list layer indices and \"window\" be an integer")
+        method = self._need(o, "method", lambda v: isinstance(v, str) and v, "a method name")
+        budget = self._need(o, "budget", lambda v: v is None or (_is_num(v) and 0 < v <= 1),
+                            "a number in (0, 1] or null")
+        if method == "full":
+            budget = None  # full KV has no budget (traces written before budget null carry the CLI's)
+        elif budget is None:
+            raise self._fail(f"\"budget\" is null, but only full KV runs have no budget (method '{method}')")
         return Header(
             model=self._need(o, "model", lambda v: isinstance(v, str), "a string"),
-            n_layer=n_layer, groups=[list(g) for g in groups],
-            method=self._need(o, "method", lambda v: isinstance(v, str) and v, "a method name"),
-            budget=float(self._need(o, "budget", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]")),
+            n_layer=n_layer, groups=[list(g) for g in groups], method=method,
+            budget=None if budget is None else float(budget),
             request=str(o.get("request", "")), policy=policy, capacity=list(capacity),
             swa_layers=tuple(swa), window=window,
         )

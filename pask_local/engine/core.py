@@ -378,7 +378,7 @@ class _Run:
         else:
             kv_bytes = self.ctx.kv_bytes()
         return {
-            "method": self.method.name, "budget": self.cfg.budget,
+            "method": self.method.name, "budget": None if self.full else self.cfg.budget,  # full KV: no budget
             "n_prompt": self.n_prompt, "n_gen": n_gen,
             "budget_used_after_prefill": sum(after_prefill) / full_prefill if full_prefill else 1.0,
             "budget_used_final": sum(held) / full_now if full_now else 1.0,
@@ -400,7 +400,8 @@ class _Run:
         if isinstance(self.method, PASK):
             policy = self.method.policy.to_json()
         self.trace.write("header", version=1, model=self.model.path.name, n_layer=self.n_layer,
-                         groups=self.groups(), method=self.method.name, budget=self.cfg.budget,
+                         groups=self.groups(), method=self.method.name,
+                         budget=None if self.full else self.cfg.budget,  # null: full KV has no budget
                          request=request, policy=policy, capacity=list(self.phys),
                          swa_layers=list(self.e.swa), window=self.e.window)
         for i, (tok, c) in enumerate(zip(self.prompt.tokens, self.prompt.classes, strict=True)):
