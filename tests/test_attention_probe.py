@@ -1,7 +1,7 @@
 """The native attention probe (patch 0004) against an independent oracle: the torch reference's
 softmax probabilities on a synthetic Qwen3 GGUF, with different positions evicted per layer
 (layered cache, columns mapped to positions with patch 0005). Then SnapKV's selection on the
-probe's scores equals SnapKV's selection on the reference's scores."""
+probe's scores equals SnapKV's selection on the reference's scores (up to ties within tolerance)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pask_local.calibration.synthetic import write_synthetic_gguf
 from pask_local.attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from pask_local.llm import ContextConfig, Model
 from pask_local.methods import LayerView, SnapKV
+from pask_local.methods.snapkv import pool_scores
 
 GGML_F32 = 0
 T, W = 48, 8
@@ -86,6 +87,11 @@ def test_probe_matches_reference_with_per_layer_eviction(synth):
         ref_view = LayerView(layer=il, n_layer=model.n_layer, positions=held,
                              classes=np.zeros(len(held), dtype=np.int64), scores=want_window[held], prompt_len=T)
         snap = SnapKV(window=W, kernel=3)
-        assert snap.select(view, 20).tolist() == snap.select(ref_view, 20).tolist()
+        got, want = set(snap.select(view, 20).tolist()), set(snap.select(ref_view, 20).tolist())
+        # the same set, except a swap of positions tied at the cut within the scores' tolerance
+        # (2e-4 above): the last bits of the probe's sums differ between CPUs' SIMD paths
+        pooled = dict(zip(held.tolist(), pool_scores(held, want_window[held], 3).tolist(), strict=True))
+        cut = min(pooled[p] for p in want if p < T - W)
+        assert len(got) == len(want) and all(abs(pooled[p] - cut) <= 4e-4 for p in got ^ want), (il, got ^ want)
     ctx.close()
     probe.close()
