@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 from grammar_helpers import gemma, gemma_ctx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pask_local.classes import GENERATED_CLASSES
@@ -52,7 +52,13 @@ def test_random_schema_generation_is_valid(params: dict, parallel: bool) -> None
                                                 "parameters": {"type": "object", "properties": {}}}}]
     r = generate_call(m, ctx, tools, "Please do the task for Paris with 3 items.", parallel=parallel,
                       max_tokens=200, max_string=12)
-    assert r.finish == "grammar", r.text
+    assert len(r.classes) == len(r.tokens) > 0
+    assert all(c in GENERATED_CLASSES for c in r.classes)
+    # every value is bounded, but not how long the model makes them or how many calls a list gets:
+    # a greedy run cut at max_tokens is the model's choice (it can differ between CPUs), not the
+    # grammar's; such an example proves nothing, so Hypothesis draws another (none valid: it fails)
+    assert r.finish in ("grammar", "length"), (r.finish, r.text)
+    assume(r.finish == "grammar")
     parsed = json.loads(r.text)
     calls = parsed if parallel else [parsed]
     assert calls
@@ -61,5 +67,3 @@ def test_random_schema_generation_is_valid(params: dict, parallel: bool) -> None
         schema = params if c["name"] == "do_task" else tools[1]["function"]["parameters"]
         jsonschema.validate(c["arguments"], schema)
     assert r.error is None
-    assert len(r.classes) == len(r.tokens) > 0
-    assert all(c in GENERATED_CLASSES for c in r.classes)
