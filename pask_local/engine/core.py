@@ -1,6 +1,8 @@
 """The PASK engine: one constrained decode loop with per-layer KV persistence under a budget.
 
-``Engine.run`` renders and tags the prompt, sizes every layer's KV capacity with the method
+``Engine.chat`` answers an OpenAI-style conversation (``Engine.run``: one request, a call required).
+It plans the request (``chat.protocol``: the model's own tool-call protocol or the instruction
+prompt, tagged; the grammar for ``tool_choice``), sizes every layer's KV capacity with the method
 (PASK: the compiled policy; baselines: their own rule), creates a layered-cache context, and
 - PASK (structure known up front): decides per layer which prompt tokens persist *before* prefill,
   prefills in chunks and evicts the others between chunks, so no layer ever holds more than its
@@ -9,7 +11,8 @@
   goes over its capacity, with attention statistics from the native probe where needed;
 - SnapKV / PyramidKV: prefill the whole prompt (their peak is full KV: reported as such), score it
   with the observation window, compress once;
-then decodes with the fast grammar sampler, tags each new token, and evicts by the method's rule
+then decodes (``chat.decoder``: the fast grammar sampler, a lazy grammar for ``auto``, or free
+text), tags each new token, and evicts by the method's rule
 when a layer passes its budget (which grows with the sequence: budget x tokens so far).
 Every count reported (held entries, bytes) is read from the native cache, not from Python.
 """
@@ -25,21 +28,20 @@ from typing import Any
 import numpy as np
 
 from ..attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
+from ..chat.decoder import Decoder
+from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice, user_message
+from ..chat.protocol import Plan, plan
+from ..chat.result import AssistantMessage
 from ..classes import StructuralClass
 from ..errors import NativeError, PaskError
-from ..generate import parse_output
-from ..grammar.sampler import ConstrainedSampler
-from ..grammar.state import GrammarState
 from ..kv_layered import kv_total_bytes
 from ..llm import Context, ContextConfig, Model
 from ..methods import PASK, LayerView, Method
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
 from ..policy import contiguous_groups
-from ..schema.gbnf import build_grammar
 from ..schema.tools import as_tools
-from ..tagging.generated import CallTagger
-from ..tagging.prompt import Prompt, render_prompt
+from ..tagging.prompt import Prompt
 from .trace import TraceWriter
 
 
@@ -50,7 +52,7 @@ class EngineConfig:
     max_tokens: int = 256
     n_ctx: int = 0                # 0: prompt + max_tokens
     probe_window: int = 32        # observation window (SnapKV) / queries per window statistic
-    style: str = "auto"           # prompt style: auto | plain | chat
+    style: str = "auto"           # prompt style: auto | native | instruction | chat | plain (chat.protocol)
     max_string: int | None = 128  # characters per string value (bounds runaway strings)
     max_calls: int | None = 8     # calls in a parallel list
 
@@ -66,6 +68,7 @@ class EngineResult:
     tokens: list[int]
     classes: list[StructuralClass]
     stats: dict[str, Any] = field(default_factory=dict)
+    message: AssistantMessage = field(default_factory=AssistantMessage)  # the reply in OpenAI's shape
 
     @property
     def ok(self) -> bool:
@@ -86,10 +89,26 @@ class Engine:
     # ----------------------------------------------------------------- public
     def run(self, tools: Any, request: str, parallel: bool = False,
             examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None) -> EngineResult:
+        """One call (or a list with ``parallel``) for one user request: ``chat`` with tool_choice required."""
+        return self.chat(user_message(request), tools, "required", parallel=parallel, examples=examples, trace=trace)
+
+    def chat(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
+             tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
+             examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None) -> EngineResult:
+        """Answer an OpenAI-style conversation (``Message``s or their JSON) with ``tools``.
+
+        ``tool_choice``: auto | required | none | ``{"type": "function", "function": {"name": ...}}``;
+        ``parallel``: the reply may hold several calls. ``EngineResult.message`` is the reply.
+        """
         specs = as_tools(tools)
-        grammar = build_grammar(specs, parallel, max_string=self.cfg.max_string, max_calls=self.cfg.max_calls)
-        prompt = render_prompt(self.model, specs, request, examples=examples, parallel=parallel,
-                               style=self.cfg.style)
+        msgs = [m for m in messages if isinstance(m, Message)]
+        if len(msgs) != len(messages):
+            msgs = parse_messages(messages)
+        choice = parse_tool_choice(tool_choice, [t.name for t in specs])
+        p = plan(self.model, specs, msgs, choice, parallel=parallel, style=self.cfg.style, examples=examples,
+                 max_string=self.cfg.max_string, max_calls=self.cfg.max_calls)
+        prompt = p.prompt
+        request = next((m.content or "" for m in reversed(msgs) if m.role in ("user", "tool")), "")
         n_prompt = len(prompt.tokens)
         n_ctx = self.cfg.n_ctx or (n_prompt + self.cfg.max_tokens + 1)
         if n_prompt + self.cfg.max_tokens > n_ctx:
@@ -100,7 +119,7 @@ class Engine:
                             f"trained context ({self.model.n_ctx_train})")
         run = _Run(self, prompt, n_ctx, TraceWriter(trace))
         try:
-            return run.execute(grammar, specs, parallel, request)
+            return run.execute(p, request)
         finally:
             run.close()
 
@@ -274,19 +293,17 @@ class _Run:
         return plan
 
     # ------------------------------------------------------------ the run
-    def execute(self, grammar, specs, parallel: bool, request: str) -> EngineResult:
+    def execute(self, plan: Plan, request: str) -> EngineResult:
         model = self.model
         t0 = time.perf_counter()
-        self._trace_header(grammar, request)
+        self._trace_header(plan.grammar, request)
         self.n_seq = 0
         self.peak_prefill: list[int] | None = None
         self.prefill()
         after_prefill = self.held_counts()
         t1 = time.perf_counter()
 
-        state = GrammarState(model.vocab, grammar.text)
-        sampler = ConstrainedSampler(state)
-        tagger = CallTagger(model, grammar, state)
+        sampler = Decoder(model, plan)
         logits = self.ctx.logits()
         out: list[int] = []
         classes: list[StructuralClass] = []
@@ -294,18 +311,18 @@ class _Run:
         pos = self.n_prompt
         worst_over = 0.0
         for step in range(self.cfg.max_tokens):
-            tok = sampler.greedy(logits)
+            tok = sampler.choose(logits)
             if model.is_eog(tok):
                 finish = "eog"
                 break
-            cls = tagger.accept(tok, model.piece(tok))
+            cls = sampler.accept(tok)
             out.append(tok)
             classes.append(cls)
             self.all_classes.append(list(StructuralClass).index(cls))
             if self.trace.enabled:
                 self.trace.write("token", pos=pos, id=tok, text=model.piece(tok).decode("utf-8", "replace"),
                                  cls=cls.value, phase="gen")
-            if state.is_done():
+            if sampler.done:
                 finish = "grammar"
                 break
             if self.probe is not None:
@@ -328,16 +345,19 @@ class _Run:
             pos += 1
             logits = self.ctx.logits()
         t2 = time.perf_counter()
-        state.close()
+        sampler.close()
 
-        text = model.detokenize(out)
-        parsed, calls, error = parse_output(text, finish, self.cfg.max_tokens, specs, parallel)
+        text = model.detokenize(out, special=True)
+        reply = plan.parse(text, finish, self.cfg.max_tokens)
+        parsed, calls, error = reply.parsed, reply.calls, reply.error
+        if sampler.rejected:
+            error = "the text after the call opener does not fit the call grammar"
         stats = self._stats(after_prefill, len(out), t0, t1, t2, sampler, worst_over)
         if self.trace.enabled:
             self.trace.write("final", output=text, valid=error is None, retained=self._retained(),
                              n_prompt=self.n_prompt, n_gen=len(out), ms_per_token=stats["ms_per_token"])
         return EngineResult(text=text, calls=calls, parsed=parsed, error=error, finish=finish,
-                            prompt=self.prompt, tokens=out, classes=classes, stats=stats)
+                            prompt=self.prompt, tokens=out, classes=classes, stats=stats, message=reply.message)
 
     # ----------------------------------------------------------- reporting
     def full_size(self, il: int, n_tokens: int) -> int:

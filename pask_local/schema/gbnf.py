@@ -4,7 +4,8 @@
 ``{"name": "<tool>", "arguments": {...}}`` (or, with ``parallel``, a JSON list of such calls) and a
 table from rule name to ``Role``. Output is compact and deterministic: separators are ``", "`` and
 ``": "`` (Python ``json.dumps`` style), required properties come first (schema order), then the
-optional ones (schema order, each may be omitted).
+optional ones (schema order, each may be omitted). ``build_native_grammar`` wraps the same call in a
+model's own protocol (``<tool_call>`` blocks, one or more for parallel calls).
 
 Rule names (``[a-zA-Z0-9-]``) encode tool, path and role: ``t<i>-name`` (the tool's name string),
 ``t<i>-k-<path>`` (a property key), ``t<i>-v-<path>`` (a value; ``-x`` marks array items, ``-a``
@@ -165,6 +166,21 @@ class _Builder:
         return self.add(f"t{i}-call", f'{name_rule} ", \\"arguments\\": " {args}')
 
 
+def _with_calls(tools: list[ToolSpec], max_string: int | None, max_calls: int | None) -> _Builder:
+    if max_calls is not None and max_calls < 1:
+        raise ValueError("max_calls must be >= 1")
+    b = _Builder(tools, max_string)
+    calls = [b.call(i, t) for i, t in enumerate(tools)]
+    b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
+    b.add("char", CHAR_RULE.split("::=", 1)[1].strip())
+    return b
+
+
+def _grammar(b: _Builder, root: str, tools: list[ToolSpec], parallel: bool) -> CallGrammar:
+    lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in b.rules.items()]
+    return CallGrammar(text="\n".join(lines) + "\n", tools=tools, parallel=parallel, roles=b.roles)
+
+
 def build_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int | None = None,
                   max_calls: int | None = None) -> CallGrammar:
     """The GBNF grammar for a call (or a list of calls with ``parallel``) to one of ``tools``.
@@ -172,13 +188,17 @@ def build_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int
     ``max_string`` bounds the characters of every string value, ``max_calls`` the length of a
     parallel list (None: unbounded).
     """
-    if max_calls is not None and max_calls < 1:
-        raise ValueError("max_calls must be >= 1")
-    b = _Builder(tools, max_string)
-    calls = [b.call(i, t) for i, t in enumerate(tools)]
-    b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
-    b.add("char", CHAR_RULE.split("::=", 1)[1].strip())
+    b = _with_calls(tools, max_string, max_calls)
     more = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
-    root = f'"[" call (", " call){more} "]"' if parallel else "call"
-    lines = [f"root ::= {root}"] + [f"{k} ::= {v}" for k, v in b.rules.items()]
-    return CallGrammar(text="\n".join(lines) + "\n", tools=tools, parallel=parallel, roles=b.roles)
+    return _grammar(b, f'"[" call (", " call){more} "]"' if parallel else "call", tools, parallel)
+
+
+def build_native_grammar(tools: list[ToolSpec], open_text: str, close_text: str, sep: str, parallel: bool = False,
+                         max_string: int | None = None, max_calls: int | None = None) -> CallGrammar:
+    """A model's own call protocol: ``open_text`` call ``close_text`` (Hermes/Qwen: ``<tool_call>\\n``
+    ... ``\\n</tool_call>``), or with ``parallel`` one or more such blocks joined by ``sep``. The
+    call inside is the same ``{"name": ..., "arguments": {...}}`` object as ``build_grammar``'s."""
+    b = _with_calls(tools, max_string, max_calls)
+    b.add("block", f"{lit(open_text)} call {lit(close_text)}")
+    more = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
+    return _grammar(b, f"block ({lit(sep)} block){more}" if parallel else "block", tools, parallel)
