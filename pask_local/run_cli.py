@@ -1,6 +1,8 @@
 """`pask-local run`: one function call (or a list of parallel calls) for a request and a tool schema.
 
-stdout carries only the call as JSON (validated against the schema); ``--stats`` prints a table of
+stdout carries only the call as JSON (validated against the schema); with ``--messages`` (a
+conversation) or a ``--tool-choice`` that allows text (auto, none), the OpenAI-shaped assistant
+message ``{"role": "assistant", "content": ..., "tool_calls": [...]}`` instead; ``--stats`` prints a table of
 tokens, budget actually used, per-group retention and ms/token to stderr (``--stats-json`` as JSON).
 """
 
@@ -18,22 +20,25 @@ from rich.table import Table
 from .errors import PaskError
 from .jsonfile import read_json_file
 
+PROMPT_STYLES = {"auto": "auto", "native": "native", "plain": "instruction"}
 METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
                "(PASK with the hand-written prior policy) or pask-attn (PASK's class shares, ranked by "
                "attention inside each class).")
 
 
-def _request_from_messages(path: Path) -> str:
+def _read_messages(path: Path) -> tuple[list, object | None, object | None]:
+    """(messages, tools or None, tool_choice or None) from a message list or an OpenAI request body."""
     data = read_json_file(path, "messages")
-    if not isinstance(data, list) or not data or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in data):
-        raise PaskError(f"{path}: expected a non-empty list of {{\"role\": ..., \"content\": ...}} messages")
-    if data[-1]["role"] != "user":
-        raise PaskError(f"{path}: the last message must be the user's")
-    if len(data) == 1:
-        return data[0]["content"]
-    history = "\n".join(f"{m['role']}: {m['content']}" for m in data[:-1])
-    return f"{history}\nuser: {data[-1]['content']}"
+    if isinstance(data, dict) and "messages" in data:
+        return data["messages"], data.get("tools"), data.get("tool_choice")
+    return data, None, None
+
+
+def _tool_choice(text: str | None) -> object | None:
+    """--tool-choice: auto | required | none | a JSON object | a bare function name."""
+    if text is None or text in ("auto", "required", "none") or text.lstrip().startswith("{"):
+        return text
+    return {"type": "function", "function": {"name": text}}
 
 
 def run_command(
@@ -50,8 +55,19 @@ def run_command(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit.")] = 256,
     trace: Annotated[Path | None, typer.Option("--trace", help="Write a JSONL trace of what persisted where "
                                                "(view it with `pask-local tui`).", show_default=False)] = None,
-    messages: Annotated[Path | None, typer.Option("--messages", help="A chat history (JSON list of role/content "
-                                                  "messages) instead of REQUEST.", show_default=False)] = None,
+    messages: Annotated[Path | None, typer.Option("--messages", help="A conversation instead of REQUEST: an "
+                                                  "OpenAI-style message list (system, user, assistant with "
+                                                  "tool_calls, tool results), or a request body {messages, tools, "
+                                                  "tool_choice}. Prints the assistant message.",
+                                                  show_default=False)] = None,
+    tool_choice: Annotated[str | None, typer.Option("--tool-choice", help="auto (text or a call), required, none "
+                                                    "(text only), or one function: its name or {\"type\": "
+                                                    "\"function\", \"function\": {\"name\": ...}}. Default: "
+                                                    "required for REQUEST, auto for --messages.",
+                                                    show_default=False)] = None,
+    prompt_style: Annotated[str, typer.Option("--prompt-style", help="native (the model's own tool-call "
+                                              "protocol), plain (the instruction prompt), or auto (native when "
+                                              "the model's chat template has one).")] = "auto",
     stats: Annotated[bool, typer.Option("--stats", help="Print tokens, budget used, retention, ms/token "
                                         "(stderr).")] = False,
     stats_json: Annotated[bool, typer.Option("--stats-json", help="Print the stats as JSON on stderr.")] = False,
@@ -61,41 +77,50 @@ def run_command(
     """Generate a schema-valid function call for REQUEST under a KV budget.
 
     Example: pask-local run --schema examples/get_weather.json "Weather in Paris in celsius?"
+    A conversation: pask-local run --schema examples/get_weather.json --messages chat.json
     """
+    file_tools = choice_raw = None
+    convo: list | None = None
     if messages is not None:
         if request:
             raise PaskError("give either REQUEST or --messages, not both")
-        request = _request_from_messages(messages)
-    if not request or not request.strip():
+        convo, file_tools, choice_raw = _read_messages(messages)
+    elif not request or not request.strip():
         raise PaskError("no request given (pass REQUEST or --messages FILE)")
-    if schema is None:
-        raise PaskError("--schema FILE is required")
+    if schema is None and file_tools is None:
+        raise PaskError("--schema FILE is required (or tools in the --messages request body)")
+    if prompt_style not in PROMPT_STYLES:
+        raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     if not 0.0 < budget <= 1.0:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
 
+    from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
     from .llm import Model
     from .methods import METHOD_NAMES
     from .models import resolve_model
-    from .schema.tools import read_tools
+    from .schema.tools import load_tools, read_tools
 
     if method not in METHOD_NAMES:
         raise PaskError(f"unknown method '{method}' (choose from {', '.join(METHOD_NAMES)})")
-    if not schema.is_file():
+    if schema is not None and not schema.is_file():
         raise PaskError(f"schema file not found: {schema}")
-    tools = read_tools(schema)
+    tools = read_tools(schema) if schema is not None else load_tools(file_tools)
+    msgs = parse_messages(convo) if convo is not None else user_message(request or "")
+    default_choice = "auto" if convo is not None else "required"
+    choice = parse_tool_choice(_tool_choice(tool_choice) or choice_raw or default_choice, [t.name for t in tools])
     model = Model(resolve_model(gguf))
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
-                    EngineConfig(budget=budget, max_tokens=max_tokens))
+                    EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style]))
     if tui:
         from .tui.cli import run_tui
 
-        result = run_tui(lambda p: engine.run(tools, request, parallel=parallel, trace=p), trace)
+        result = run_tui(lambda p: engine.chat(msgs, tools, choice, parallel=parallel, trace=p), trace)
     else:
-        result = engine.run(tools, request, parallel=parallel, trace=trace)
+        result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace)
     if stats:
         _print_stats(result.stats)
     if stats_json:
@@ -103,7 +128,10 @@ def run_command(
     if not result.ok:
         print(result.text, file=sys.stderr)
         raise PaskError(f"the model's output is not a valid call: {result.error}")
-    print(json.dumps(result.parsed, ensure_ascii=False))
+    if convo is None and choice.calls:
+        print(json.dumps(result.parsed, ensure_ascii=False))   # REQUEST: the call JSON, as always
+    else:
+        print(json.dumps(result.message.to_openai(), ensure_ascii=False))
 
 
 def _print_stats(s: dict) -> None:
