@@ -350,7 +350,7 @@ def pane_title(view: PaneView, state: ViewState) -> Text:
     held = int(r.group_held(view.step, view.group)[: r.n_seq(view.step)].sum())
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f" {h.method} ", style="bold reverse")
-    kv = "full KV (no budget)" if h.budget is None else f"KV {r.budget_used(view.step):.2f}/{h.budget:.2f}"
+    kv = "no budget" if h.budget is None else f"KV {r.budget_used(view.step):.2f}/{h.budget:.2f}"
     t.append(f" g{view.group} {held}/{r.n_seq(view.step)} pos · {kv}")
     if state.only is not None:
         t.append(f" · only {short(state.only)}", style="bold")
