@@ -99,8 +99,8 @@ def call_format(template: str) -> CallFormat | None:
         if bare == with_tools or locate_tool(with_tools, _PROBE[0]) is None:
             return None
         call = {"id": "call_0", "type": "function", "function": {"name": "pask_probe_fn", "arguments": {"x": 1}}}
-        conv = _render(template, [user, {"role": "assistant", "content": None, "tool_calls": [call]},
-                                  {"role": "tool", "tool_call_id": "call_0", "content": "ok"}], probe, True, "", "")
+        conv = _render(template, [user, {"role": "assistant", "content": None, "tool_calls": [call]}], probe,
+                       False, "", "")
     except ChatTemplateError:
         return None
     call_json = json.dumps({"name": "pask_probe_fn", "arguments": {"x": 1}})
