@@ -7,11 +7,17 @@ JSON Schema object (``{"type": "object", "properties": ...}``; the tool is named
 ``title``, else ``respond``). Parameters are converted into a normalised JSON Schema subset that
 ``gbnf`` turns into a grammar and ``jsonschema`` validates against. Anything outside the subset
 raises ``SchemaError`` naming the keyword and its JSON path.
+
+Hostile-input limits (``docs/limits.md``) bound time and memory before any grammar is built:
+``MAX_TOOLS`` tools, ``MAX_DEPTH`` nested object/array levels, ``MAX_NODES`` schema nodes in all,
+``MAX_ENUM`` values per enum, ``MAX_PROPERTIES`` per object, ``MAX_TEXT_BYTES`` per description
+or enum string, ``MAX_KEY_BYTES`` per property name and ``MAX_INPUT_BYTES`` for a tool file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +43,16 @@ SUPPORTED_KEYS = ANNOTATION_KEYS | {"type", "properties", "required", "items", "
                                     "additionalProperties", "minItems", "maxItems"}
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
 
+# limits on hostile or accidental huge inputs (documented in docs/limits.md)
+MAX_TOOLS = 256              # tools in one request
+MAX_DEPTH = 16               # nested object/array levels inside one tool's parameters
+MAX_NODES = 4096             # schema nodes over the whole tool list
+MAX_ENUM = 1024              # values of one enum
+MAX_PROPERTIES = 256         # properties of one object
+MAX_TEXT_BYTES = 64 * 1024   # UTF-8 bytes of one description, title or enum string
+MAX_KEY_BYTES = 256          # UTF-8 bytes of one property name
+MAX_INPUT_BYTES = 8 << 20    # a tool file / JSON string
+
 
 @dataclass
 class ToolSpec:
@@ -54,21 +70,73 @@ class ToolSpec:
 def _path(parts: Iterable[str], root: str = "$") -> str:
     out = root
     for p in parts:
-        out += f"[{p}]" if p.isdigit() else f".{p}"
+        out += f"[{p}]" if p.isdigit() else f".{_printable(p, 40)}"
     return out
 
 
-def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$") -> dict[str, Any]:
+def _printable(text: str, limit: int) -> str:
+    """``text`` for a one-line message: non-printable characters escaped, cut at ``limit``."""
+    out = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
+class _Budget:
+    """Counts schema nodes over one tool list (``MAX_NODES``)."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+
+    def take(self, where: str) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise SchemaError(f"the tool schemas have more than {MAX_NODES} nodes in all (at {where}); "
+                              "see docs/limits.md")
+
+
+def _check_text(value: Any, what: str, where: str, limit: int = MAX_TEXT_BYTES) -> None:
+    """A string must be valid Unicode (no lone surrogates: it is tokenized as UTF-8) and short enough."""
+    if not isinstance(value, str):
+        return
+    try:
+        n = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SchemaError(f"{what} at {where} is not valid Unicode (a lone surrogate)") from None
+    if n > limit:
+        raise SchemaError(f"{what} at {where} is longer than {limit} bytes; see docs/limits.md")
+
+
+def _check_annotation(value: Any, what: str, where: str) -> None:
+    """An annotation (default, examples, ...) is shown in the prompt: bounded like a description."""
+    if isinstance(value, str):
+        _check_text(value, what, where)
+        return
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise SchemaError(f"{what} at {where} is not a plain JSON value") from None
+    _check_text(text, what, where)
+
+
+def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
+                     budget: _Budget | None = None, depth: int = 0) -> dict[str, Any]:
     """A JSON Schema (or BFCL schema) node -> a normalised node of the supported subset.
 
-    ``path``/``root`` locate the node in the input for error messages (``$[0].function.parameters...``).
+    ``path``/``root`` locate the node in the input for error messages (``$[0].function.parameters...``);
+    ``budget``/``depth`` enforce ``MAX_NODES``/``MAX_DEPTH``.
     """
     where = _path(path, root)
+    budget = budget or _Budget()
+    budget.take(where)
+    if depth > MAX_DEPTH:
+        raise SchemaError(f"schema at {where} is nested more than {MAX_DEPTH} levels deep; see docs/limits.md")
     if not isinstance(schema, dict):
         raise SchemaError(f"schema at {where} must be an object, got {type(schema).__name__}")
     for key in schema:
         if key not in SUPPORTED_KEYS:
-            raise SchemaError(f"unsupported schema keyword '{key}' at {where}")
+            raise SchemaError(f"unsupported schema keyword '{_printable(str(key), 60)}' at {where}")
+    for key in ANNOTATION_KEYS:
+        if key in schema:
+            _check_annotation(schema[key], f"'{key}'", where)
     out: dict[str, Any] = {k: schema[k] for k in ANNOTATION_KEYS if k in schema and k != "optional"}
     if "const" in schema:
         out["enum"] = [schema["const"]]
@@ -76,9 +144,14 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$") -
         values = schema["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"'enum' at {where} must be a non-empty list")
+        if len(values) > MAX_ENUM:
+            raise SchemaError(f"'enum' at {where} has {len(values)} values (at most {MAX_ENUM}); see docs/limits.md")
         for v in values:
             if isinstance(v, dict | list):
                 raise SchemaError(f"'enum' at {where}: only scalar values are supported")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise SchemaError(f"'enum' at {where}: {v} is not a JSON number")
+            _check_text(v, "an 'enum' value", where)
         out["enum"] = list(values)
     types = _types(schema, where)
     if types is not None:
@@ -91,13 +164,19 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$") -
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(f"'properties' at {where} must be an object")
-        out["properties"] = {str(k): normalise_schema(v, (*path, "properties", str(k)), root) for k, v in props.items()}
+        if len(props) > MAX_PROPERTIES:
+            raise SchemaError(f"'properties' at {where} has {len(props)} entries (at most {MAX_PROPERTIES}); "
+                              "see docs/limits.md")
+        for k in props:
+            _check_text(k, "a property name", where, MAX_KEY_BYTES)
+        out["properties"] = {str(k): normalise_schema(v, (*path, "properties", str(k)), root, budget, depth + 1)
+                             for k, v in props.items()}
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"'required' at {where} must be a list of property names")
         for r in required:
             if r not in out["properties"]:
-                raise SchemaError(f"'required' at {where} names '{r}', which is not in 'properties'")
+                raise SchemaError(f"'required' at {where} names '{_printable(r, 60)}', which is not in 'properties'")
         out["required"] = list(dict.fromkeys(required))
         extra = schema.get("additionalProperties", None)
         if extra not in (None, True, False):
@@ -111,7 +190,7 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$") -
             items = schema["items"]
             if isinstance(items, list):  # BFCL-style tuple items: one schema for all when uniform
                 raise SchemaError(f"unsupported schema keyword 'items' (a list) at {where}")
-            out["items"] = normalise_schema(items, (*path, "items"), root)
+            out["items"] = normalise_schema(items, (*path, "items"), root, budget, depth + 1)
         for k in ("minItems", "maxItems"):
             if k in schema:
                 v = schema[k]
@@ -142,7 +221,7 @@ def _types(schema: dict[str, Any], where: str) -> list[str] | None:
     for n in names:
         t = TYPE_ALIASES.get(n.lower())
         if t is None:
-            raise SchemaError(f"unsupported type '{n}' at {where}")
+            raise SchemaError(f"unsupported type '{_printable(n, 60)}' at {where}")
         out.append(t)
     compound = [t for t in out if t in ("object", "array")]
     if compound and len(out) > 1:
@@ -157,20 +236,30 @@ def _coerce_enum(value: Any, types: list[str], where: str) -> Any:
         want = ok.get(t)
         if want is not None and isinstance(value, want) and not (t in ("integer", "number") and isinstance(value, bool)):
             return value
-    raise SchemaError(f"'enum' value {json.dumps(value)} at {where} does not match type {'/'.join(types)}")
+    raise SchemaError(f"'enum' value {_short(value)} at {where} does not match type {'/'.join(types)}")
 
 
-def _tool_from_function(fn: dict[str, Any], where: str) -> ToolSpec:
+def _short(value: Any, limit: int = 60) -> str:
+    """A value for an error message: JSON, ASCII-only (control characters escaped), cut at ``limit``."""
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, str) else json.dumps(value)
+    text = text.encode("ascii", "backslashreplace").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _tool_from_function(fn: dict[str, Any], where: str, budget: _Budget | None = None) -> ToolSpec:
     name = fn.get("name")
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise SchemaError(f"tool at {where} needs a 'name' (letters, digits, _ . -), got {name!r}")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise SchemaError(f"tool at {where} needs a 'name' (letters, digits, _ . -; at most 128), got {_short(name)}")
     desc = fn.get("description", "")
+    if desc is None:
+        desc = ""
     if not isinstance(desc, str):
         raise SchemaError(f"'description' of tool '{name}' must be a string")
+    _check_text(desc, f"the description of tool '{name}'", where)
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise SchemaError(f"'parameters' of tool '{name}' must be an object")
-    norm = normalise_schema(params, ("parameters",), where)
+    norm = normalise_schema(params, ("parameters",), where, budget)
     if norm.get("type") != "object":
         raise SchemaError(f"'parameters' of tool '{name}' must have type 'object' (or BFCL 'dict')")
     norm.setdefault("properties", {})
@@ -178,15 +267,15 @@ def _tool_from_function(fn: dict[str, Any], where: str) -> ToolSpec:
     return ToolSpec(name=name, description=desc, parameters=norm, source=fn)
 
 
-def _tool_from_item(item: Any, where: str) -> ToolSpec:
+def _tool_from_item(item: Any, where: str, budget: _Budget | None = None) -> ToolSpec:
     if not isinstance(item, dict):
         raise SchemaError(f"tool definition at {where} must be a JSON object, got {type(item).__name__}")
     if item.get("type") == "function" and "function" in item:
         if not isinstance(item["function"], dict):
             raise SchemaError(f"'function' at {where} must be an object")
-        return _tool_from_function(item["function"], where + ".function")
+        return _tool_from_function(item["function"], where + ".function", budget)
     if "name" in item:
-        return _tool_from_function(item, where)
+        return _tool_from_function(item, where, budget)
     if item.get("type") == "object" or "properties" in item:  # bare JSON Schema
         title = item.get("title", "respond")
         name = re.sub(r"[^A-Za-z0-9_]+", "_", str(title)).strip("_") or "respond"
@@ -194,7 +283,7 @@ def _tool_from_item(item: Any, where: str) -> ToolSpec:
             name = "respond"
         fn = {"name": name, "description": item.get("description", ""),
               "parameters": {k: v for k, v in item.items() if k not in ("title", "$schema")}}
-        spec = _tool_from_function(fn, where)
+        spec = _tool_from_function(fn, where, budget)
         spec.source = item
         return spec
     raise SchemaError(f"tool definition at {where} is neither an OpenAI tool, a function nor a JSON Schema object")
@@ -207,7 +296,11 @@ def load_tools(data: Any) -> list[ToolSpec]:
     items = data if isinstance(data, list) else [data]
     if not items:
         raise SchemaError("the tool list is empty")
-    specs = [_tool_from_item(item, f"$[{i}]" if isinstance(data, list) else "$") for i, item in enumerate(items)]
+    if len(items) > MAX_TOOLS:
+        raise SchemaError(f"{len(items)} tools given, at most {MAX_TOOLS} are supported; see docs/limits.md")
+    budget = _Budget()
+    specs = [_tool_from_item(item, f"$[{i}]" if isinstance(data, list) else "$", budget)
+             for i, item in enumerate(items)]
     seen: set[str] = set()
     for s in specs:
         if s.name in seen:
@@ -218,10 +311,14 @@ def load_tools(data: Any) -> list[ToolSpec]:
 
 def parse_tools(text: str) -> list[ToolSpec]:
     """Tools from a JSON string."""
+    if len(text) > MAX_INPUT_BYTES:
+        raise SchemaError(f"tool definitions are larger than {MAX_INPUT_BYTES >> 20} MiB; see docs/limits.md")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise SchemaError(f"tool definitions are not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise SchemaError("tool definitions are nested too deeply to parse; see docs/limits.md") from None
     return load_tools(data)
 
 
@@ -229,9 +326,13 @@ def read_tools(path: str | Path) -> list[ToolSpec]:
     """Tools from a JSON file."""
     p = Path(path)
     try:
+        if p.is_file() and p.stat().st_size > MAX_INPUT_BYTES:
+            raise SchemaError(f"tool file {p} is larger than {MAX_INPUT_BYTES >> 20} MiB; see docs/limits.md")
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise SchemaError(f"cannot read tool file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SchemaError(f"tool file {p} is not UTF-8 text (byte {exc.start})") from None
     return parse_tools(text)
 
 
