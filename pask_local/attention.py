@@ -47,6 +47,8 @@ class AttentionProbe:
     def __init__(self, n_layer: int, n_window: int = 32) -> None:
         self._f = _fns()
         self.n_layer = n_layer
+        if not 0 < n_layer <= 1 << 16 or n_window < 0:
+            raise NativeError(f"attention probe: need 0 < n_layer <= 65536 and n_window >= 0, got {n_layer}, {n_window}")
         self._ptr = self._f.init(n_layer, n_window)
         if not self._ptr:
             raise NativeError(f"pask_attn_probe_init({n_layer}, {n_window}) failed")
@@ -69,6 +71,8 @@ class AttentionProbe:
         return n
 
     def stat(self, il: int, what: int = SUM) -> np.ndarray:
+        if what not in (SUM, WINDOW, LAST):
+            raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
         n = self.n_kv(il)
         out = np.zeros(n, dtype=np.float32)
         if n:
@@ -103,10 +107,16 @@ def cell_positions(ctx, il: int, seq_id: int = 0) -> np.ndarray:
     ptr = ctx.ptr if isinstance(ctx.ptr, int) else ctypes.cast(ctx.ptr, ctypes.c_void_p).value
     n = _CELL_POS(ptr, il, seq_id, None, 0)
     if n < 0:
-        raise NativeError(f"pask_kv_cell_positions failed for layer {il}")
+        raise NativeError(f"cell positions of layer {il}, sequence {seq_id}: {_last_error()}")
     out = np.full(max(n, 1), -1, dtype=np.int32)
     _CELL_POS(ptr, il, seq_id, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
     return out[:n]
+
+
+def _last_error() -> str:
+    from .kv_layered import api
+
+    return (api().last_error() or b"").decode() or "pask_kv_cell_positions failed"
 
 
 def probed_layered_context(model, capacities, config, probe: AttentionProbe | None):

@@ -4,7 +4,9 @@ A ``LayeredContext`` is a ``llm.Context`` whose KV memory holds one cache per at
 with its own capacity (cells per sequence stream). Every layer keeps and evicts its own positions:
 ``evict(layer, positions)`` frees cells of one layer only, and ``llama_decode`` returns a non-zero
 status (``Context.decode``) when some layer has no free cell for the batch. Bad input raises
-``LayeredKVError`` (a ``PaskError``) before reaching C; C-side refusals raise it too.
+``LayeredKVError`` (a ``PaskError``) before reaching C; C-side refusals raise it too. Any architecture
+whose attention layers go through llama.cpp's standard KV cache (plain or iSWA) works; others
+(recurrent, hybrid, MLA, ...) raise ``UnsupportedArchitectureError`` naming the architecture.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ from .llm import Context, ContextConfig, Model
 from .native import bind
 
 _POS = ctypes.c_int32
-_E_NAMES = {-1: "not a layered context", -2: "bad layer", -3: "bad sequence id", -4: "bad argument"}
+_E_NAMES = {-1: "not a layered context", -2: "bad layer", -3: "bad sequence id", -4: "bad argument",
+            -5: "unsupported architecture"}
+E_ARCH = -5
 
 
 class LayeredKVError(PaskError):
     """A layered-KV-cache call got bad input or the native side refused it."""
+
+
+class UnsupportedArchitectureError(LayeredKVError):
+    """The model's architecture has no standard KV cache to layer (recurrent, hybrid, MLA, ...)."""
 
 
 class _Api:
@@ -32,6 +40,8 @@ class _Api:
         ctx_p = ctypes.c_void_p
         self.init = bind("pask_init_from_model", ctx_p, [ctx_p, _context_params_type(),
                                                           ctypes.POINTER(ctypes.c_uint32), ctypes.c_int32])
+        self.model_supported = bind("pask_kv_model_supported", ctypes.c_int32, [ctx_p])
+        self.n_seq_ids = bind("pask_kv_n_seq_ids", ctypes.c_int32, [ctx_p])
         self.n_layer = bind("pask_kv_n_layer", ctypes.c_int32, [ctx_p])
         self.capacity = bind("pask_kv_capacity", ctypes.c_int32, [ctx_p, ctypes.c_int32])
         self.evict = bind("pask_kv_evict", ctypes.c_int32,
@@ -85,6 +95,20 @@ def _index(value: object, what: str) -> int:
         raise LayeredKVError(f"{what} must be an integer, got {value!r}") from None
 
 
+def unsupported_reason(model: Model) -> str | None:
+    """None if ``model`` can use a layered KV cache, else a one-line reason naming its architecture."""
+    if api().model_supported(model.ptr) == 0:
+        return None
+    return (api().last_error() or b"").decode() or "the layered KV cache does not support this architecture"
+
+
+def require_supported(model: Model) -> None:
+    """Raise ``UnsupportedArchitectureError`` unless ``model`` can use a layered KV cache."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(reason)
+
+
 def kv_total_bytes(ctx: Context) -> int:
     """Bytes allocated by any context's KV memory (full or layered)."""
     n = api().total_bytes(_ptr(ctx))
@@ -109,6 +133,7 @@ class LayeredContext(Context):
         config = config or ContextConfig()
         if config.n_seq_max < 1:
             raise LayeredKVError("n_seq_max must be >= 1")
+        require_supported(model)
         self.model = model
         self.config = config
         arr = (ctypes.c_uint32 * len(caps))(*caps)
@@ -118,6 +143,9 @@ class LayeredContext(Context):
             raise LayeredKVError(f"cannot create a layered-cache context: {reason}")
         super().__init__(model, config, ptr=ctypes.c_void_p(raw_ptr))
         self.capacities = caps
+        #: sequence ids the cache accepts: n_seq_max with a stream per sequence, else (one shared
+        #: stream, as upstream's KV cache) LLAMA_MAX_SEQ
+        self.n_seq_ids = _check(api().n_seq_ids(_ptr(self)), "n_seq_ids")
 
     def params(self):
         p = super().params()
@@ -136,8 +164,8 @@ class LayeredContext(Context):
 
     def _seq(self, seq_id: int) -> int:
         i = _index(seq_id, "sequence id")
-        if not 0 <= i < self.config.n_seq_max:
-            raise LayeredKVError(f"sequence id {seq_id!r} out of range [0, {self.config.n_seq_max})")
+        if not 0 <= i < self.n_seq_ids:
+            raise LayeredKVError(f"sequence id {seq_id!r} out of range [0, {self.n_seq_ids})")
         return i
 
     def capacity(self, layer: int) -> int:
