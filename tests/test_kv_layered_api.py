@@ -8,10 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kv_layered_helpers import feed, random_tokens, synthetic
+from pask_local.calibration.synthetic import ATTENTION_ARCHS
 
 from pask_local.errors import PaskError
 from pask_local.kv_layered import LayeredContext, LayeredKVError, kv_total_bytes
 from pask_local.llm import Context, ContextConfig, Model
+from pask_local.model_info import swa_layers
 
 N_LAYER = 4
 
@@ -230,3 +232,25 @@ def test_native_api_rejects_bad_arguments_without_crashing(qwen: Model) -> None:
     caps = (ctypes.c_uint32 * N_LAYER)(8, 8, 0, 8)
     assert not api().init(qwen.ptr, plain.params(), caps, N_LAYER)
     assert b"must be >= 1" in api().last_error()
+
+
+@pytest.mark.parametrize("arch", ATTENTION_ARCHS)
+def test_budget_holds_on_every_architecture(tmp_path, arch: str) -> None:
+    """Per-layer capacities are hard limits and real bytes, whatever the attention architecture."""
+    model = Model(synthetic(tmp_path, arch, n_layer=N_LAYER))
+    caps = [24, 10, 24, 16]
+    ctx = LayeredContext(model, caps, cfg())
+    toks = random_tokens(16, model.n_vocab, seed=11)
+    assert ctx.decode(toks[:10], 0) == 0
+    assert ctx.free(1) == 0 and ctx.decode([toks[10]], 10) != 0        # layer 1 full: refused, unchanged
+    assert [ctx.used(i) for i in range(N_LAYER)] == [10] * N_LAYER
+    assert ctx.evict(1, [2, 5]) == 2 and ctx.decode(toks[10:12], 10) == 0
+    assert [ctx.used(i) for i in range(N_LAYER)] == [12, 10, 12, 12]
+    assert all(ctx.used(i) <= c for i, c in enumerate(caps))
+    per_cell = {sum(ctx.layer_bytes(i)) / c for i, c in enumerate(caps)}
+    assert len(per_cell) == 1 and per_cell.pop() > 0
+    if not swa_layers(model)[0]:
+        # no sliding window: a layered cache at full capacity allocates what upstream allocates
+        n_ctx = 256
+        full = Context(model, ContextConfig(n_ctx=n_ctx, n_batch=32, n_threads=1))
+        assert LayeredContext(model, [n_ctx] * N_LAYER, cfg()).kv_bytes() == kv_total_bytes(full)
