@@ -17,6 +17,7 @@ from rich.console import Console
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
 from .generator import KNOWN_METHODS
+from .prompting import check_prompt_style
 from .split import check_split
 
 DEFAULT_CATEGORIES = ",".join(CATEGORIES)
@@ -49,6 +50,10 @@ def eval_command(
     max_tokens: Annotated[int, typer.Option(help="Generation limit per case.")] = 256,
     examples: Annotated[bool, typer.Option("--examples/--no-examples",
                                            help="Few-shot examples from the calibration split.")] = True,
+    prompt_style: Annotated[str, typer.Option("--prompt-style", help="native: the model's own tool-call protocol "
+                                              "(chat templates with tools, e.g. Qwen2.5's <tool_call>); plain: the "
+                                              "instruction prompt (base models; few-shot examples); auto: native "
+                                              "when the model's template has it.")] = "auto",
     report_only: Annotated[bool, typer.Option("--report-only", help="Only rebuild the tables and plot from the "
                                               "cases already in --out (runs with missing cases show fewer).")] = False,
 ) -> None:
@@ -66,6 +71,7 @@ def eval_command(
         raise PaskError("no method given")
     budget_list = parse_budgets(budgets)
     check_split(split)
+    check_prompt_style(prompt_style)
     if dataset is not None and not dataset.is_file():
         raise PaskError(f"dataset file not found: {dataset}")
     if answers is not None and dataset is None:
@@ -76,7 +82,8 @@ def eval_command(
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
     cfg = EvalConfig(gguf=resolve_model(gguf), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
-                     max_tokens=max_tokens, use_examples=examples, report_only=report_only)
+                     max_tokens=max_tokens, use_examples=examples, report_only=report_only,
+                     prompt_style=prompt_style)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -4,8 +4,9 @@ A generator turns one ``Case`` into a ``GenerationOutput``. ``make_generator(met
 one by name: ``full`` is ``FullKVGenerator``; every other method (streaming, h2o, snapkv, pyramidkv,
 tova, pask) runs through the KV engine (``EngineGenerator``) at the spec's budget.
 
-Both use the same prompt renderer, grammar and greedy constrained sampler, so their outputs differ
-only through the KV cache. ``FullKVGenerator`` keeps the tokens currently in its KV cache and, for
+Both use the same protocol (``--prompt-style``: the model's own tool-call protocol or the instruction
+prompt, ``chat.protocol``), grammar and greedy constrained decoder, so their outputs differ only
+through the KV cache; native output is handed to the checker as the call JSON it expects. ``FullKVGenerator`` keeps the tokens currently in its KV cache and, for
 each case, reuses their longest common prefix with the new prompt (dropping the rest with
 ``llama_memory_seq_rm``): the instructions, and the tool list when consecutive cases share it, are
 decoded once instead of once per case. A failure that belongs to the case (a schema the grammar
@@ -14,6 +15,7 @@ builder rejects, a prompt longer than the context) is returned as ``error`` and 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 from ..errors import PaskError
 from .data import Case
-from .prompting import Task, make_task
+from .prompting import ENGINE_STYLES, Task, checker_text, make_task, task_plan
 
 KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask", "pask-prior",
                                    "pask-attn")
@@ -61,6 +63,7 @@ class GeneratorSpec:
     n_ctx: int = 8192
     reuse_prefix: bool = True
     use_examples: bool = True
+    prompt_style: str = "auto"     # auto | native | plain (eval.prompting.PROMPT_STYLES)
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -118,30 +121,23 @@ class FullKVGenerator:
         return keep
 
     def generate(self, case: Case) -> GenerationOutput:
+        from ..chat.decoder import Decoder
         from ..engine import EngineConfig
-        from ..grammar.sampler import ConstrainedSampler
-        from ..grammar.state import GrammarState
-        from ..schema.gbnf import build_grammar
-        from ..schema.tools import as_tools
-        from ..tagging.prompt import render_prompt
 
         t0 = time.perf_counter()
         task: Task = make_task(case, self.spec.use_examples)
         try:
-            specs = as_tools(task.functions)
-            # the same call bounds as the engine's methods, so Full KV is scored on equal terms
+            # the same protocol and call bounds as the engine's methods, so Full KV is scored on equal terms
             bounds = EngineConfig()
-            grammar = build_grammar(specs, task.parallel, max_string=bounds.max_string, max_calls=bounds.max_calls)
-            prompt = render_prompt(self.model, specs, task.request, examples=task.examples, parallel=task.parallel)
+            p = task_plan(self.model, task, self.spec.prompt_style, bounds.max_string, bounds.max_calls)
         except PaskError as exc:
             return _failed(f"{type(exc).__name__}: {exc}", t0)
-        tokens = prompt.tokens
+        tokens = p.prompt.tokens
         if len(tokens) + self.spec.max_tokens > self.ctx.n_ctx:
             return _failed(f"prompt_too_long: {len(tokens)} + {self.spec.max_tokens} > {self.ctx.n_ctx}", t0,
                            len(tokens))
-        state = GrammarState(self.model.vocab, grammar.text)
+        decoder = Decoder(self.model, p)
         try:
-            sampler = ConstrainedSampler(state)
             reused = self._prefill(tokens)
             t_prefill = time.perf_counter() - t0
             out: list[int] = []
@@ -149,13 +145,13 @@ class FullKVGenerator:
             pos = len(tokens)
             logits = self.ctx.logits()
             for _ in range(self.spec.max_tokens):
-                tok = sampler.greedy(logits)
+                tok = decoder.choose(logits)
                 if self.model.is_eog(tok):
                     finish = "eog"
                     break
-                state.accept(tok)
+                decoder.accept(tok)
                 out.append(tok)
-                if state.is_done():
+                if decoder.done:
                     finish = "grammar"
                     break
                 if self.ctx.decode([tok], pos, 0, logits="last") != 0:
@@ -164,9 +160,11 @@ class FullKVGenerator:
                 pos += 1
                 logits = self.ctx.logits()
         finally:
-            state.close()
-        text = b"".join(self.model.piece(t) for t in out).decode("utf-8", "replace")
-        return GenerationOutput(text, len(tokens), reused, len(out), time.perf_counter() - t0, t_prefill, finish)
+            decoder.close()
+        raw = self.model.detokenize(out, special=True)
+        text, extra = checker_text(p, raw, finish, self.spec.max_tokens)
+        return GenerationOutput(text, len(tokens), reused, len(out), time.perf_counter() - t0, t_prefill, finish,
+                                extra=extra)
 
     def close(self) -> None:
         self.ctx.close()
@@ -187,7 +185,8 @@ class EngineGenerator:
         self.spec = spec
         self.model = Model(spec.gguf)
         self.engine = Engine(self.model, make_method(method, self.model),
-                             EngineConfig(budget=spec.budget, max_tokens=spec.max_tokens))
+                             EngineConfig(budget=spec.budget, max_tokens=spec.max_tokens,
+                                          style=ENGINE_STYLES[spec.prompt_style]))
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens}
@@ -201,8 +200,13 @@ class EngineGenerator:
             return _failed(f"{type(exc).__name__}: {exc}", t0)
         stats = res.stats or {}
         prefill = float(stats.get("prefill_ms", 0.0)) / 1e3
-        return GenerationOutput(res.text, len(res.prompt.tokens), 0, len(res.tokens), time.perf_counter() - t0,
-                                prefill, res.finish, None, {k: v for k, v in stats.items() if _plain(v)})
+        text = res.text
+        extra = {k: v for k, v in stats.items() if _plain(v)}
+        if res.prompt.style == "native":
+            extra["raw_output"] = res.text
+            text = json.dumps(res.parsed, ensure_ascii=False) if res.parsed is not None else res.text
+        return GenerationOutput(text, len(res.prompt.tokens), 0, len(res.tokens), time.perf_counter() - t0,
+                                prefill, res.finish, None, extra)
 
     def close(self) -> None:
         self.model.close()

@@ -1,8 +1,11 @@
 """What the harness hands the prompt renderer for one case: request text, few-shot examples, call shape.
 
-The prompt itself is rendered and tagged by ``pask_local.tagging.prompt.render_prompt`` (plain format
-for base models such as the default Gemma 3 270M, the GGUF's chat template for chat models), the same
-renderer the KV engine uses, so every method sees identical prompts. This module decides:
+The prompt itself is planned by ``pask_local.chat.protocol.plan``, as in the KV engine, so every method
+sees identical prompts: ``--prompt-style native`` is the model's own tool-call protocol (the GGUF's
+chat template with its ``tools``; ``<tool_call>`` output, turned into the call JSON the checker
+reads by ``checker_text``), ``plain`` the instruction prompt (plain format for base models such as
+the default Gemma 3 270M, inside the chat template for chat models; the only style with few-shot
+examples), ``auto`` native when the template has it. This module decides:
 
 - the few-shot examples: a fixed rule over the *calibration* split (``pick_examples``), never an
   evaluation case and not tuned on results; shown as (request, call JSON) pairs;
@@ -19,6 +22,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.messages import ToolChoice, user_message
+from ..chat.protocol import Plan, plan
+from ..errors import PaskError
+from ..llm import Model
+from ..schema.tools import as_tools
 from .data import Case, load_bundled
 from .reference import reference_calls, unsatisfiable
 from .split import split_of
@@ -85,3 +93,30 @@ def make_task(case: Case, use_examples: bool = True) -> Task:
     parallel = is_parallel(case)
     examples = example_pairs(pick_examples(), parallel) if use_examples else []
     return Task(case.functions, request_text(case), examples, parallel)
+
+
+# --prompt-style -> the engine's prompt style (chat.protocol.STYLES)
+ENGINE_STYLES = {"auto": "auto", "native": "native", "plain": "instruction"}
+PROMPT_STYLES = tuple(ENGINE_STYLES)
+
+
+def check_prompt_style(style: str) -> str:
+    if style not in ENGINE_STYLES:
+        raise PaskError(f"unknown prompt style {style!r} (choose from {', '.join(PROMPT_STYLES)})")
+    return style
+
+
+def task_plan(model: Model, task: Task, style: str, max_string: int | None, max_calls: int | None) -> Plan:
+    """The protocol plan of one case: a call is required (BFCL asks for calls)."""
+    return plan(model, as_tools(task.functions), user_message(task.request), ToolChoice("required"),
+                parallel=task.parallel, style=ENGINE_STYLES[style], examples=task.examples,
+                max_string=max_string, max_calls=max_calls)
+
+
+def checker_text(p: Plan, raw: str, finish: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
+    """(the text the checker reads, extra record fields): native output becomes the call JSON
+    (one object, or the list with parallel calls); the raw output is kept in the record."""
+    if p.fmt is None:
+        return raw, {}
+    parsed = p.parse(raw, finish, max_tokens).parsed
+    return (json.dumps(parsed, ensure_ascii=False) if parsed is not None else raw), {"raw_output": raw}

@@ -50,6 +50,7 @@ class EvalConfig:
     max_tokens: int = 256
     n_ctx: int = 8192
     use_examples: bool = True
+    prompt_style: str = "auto"
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
 
 
@@ -103,7 +104,7 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
     return {
         "model": str(cfg.gguf), "model_bytes": size, "split": cfg.split,
         "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
-        "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version,
+        "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
     }
 
@@ -145,7 +146,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
         for (method, budget), todo in pending.items():
             if not todo:
                 continue
-            spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples)
+            spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
+                                 prompt_style=cfg.prompt_style)
             gen = factory(method, spec)
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0
