@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelError, NativeError
+from .models import check_gguf
 
 _BACKEND_READY = False
 
@@ -67,8 +68,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int = 0, verbose: bool = False) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelError(f"model file not found: {self.path}")
+        check_gguf(self.path)  # a one-line ModelError before llama.cpp can abort on a bad file
         _init_backend(verbose)
         raw = _raw()
         params = raw.llama_model_default_params()

