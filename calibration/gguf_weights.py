@@ -20,7 +20,9 @@ import torch
 
 from pask_local.errors import ModelError
 
-SUPPORTED_ARCHS = ("qwen3", "gemma3")
+SUPPORTED_ARCHS = ("qwen3", "gemma3", "qwen2", "llama", "mistral3", "phi3")
+#: llama.cpp's LLAMA_ROPE_TYPE_NORM archs (rotate adjacent pairs); the others here are NEOX (halves)
+ROPE_NORM_ARCHS = ("llama", "mistral3")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Hparams:
     attn_scale: float = 1.0
     embd_scale: float = 1.0
     final_logit_softcap: float = 0.0
+    rope_neox: bool = True        # NEOX rotation (pairs i, i + n_rot/2) or NORM (pairs 2i, 2i + 1)
+    pre_scale_q: bool = False     # Q is scaled before K^T Q (gemma3, phi3) instead of the scores
 
     def is_swa(self, layer: int) -> bool:
         return self.n_swa > 0 and self.swa_layers[layer]
@@ -148,6 +152,19 @@ def _uniform(values: Iterable[int] | int, what: str) -> int:
     return int(values)
 
 
+def _refuse_unsupported_extras(g: GGUFFile, arch: str) -> None:
+    """Features of llama / mistral3 / phi3 GGUFs the reference does not implement: a clear error."""
+    if int(g.get(f"{arch}.expert_count", 0) or 0) > 0:
+        raise ModelError(f"{arch} mixture-of-experts models are not supported by the reference model")
+    if float(g.get(f"{arch}.attention.temperature_scale", 0.0) or 0.0) != 0.0:
+        raise ModelError(f"{arch} attention temperature scaling is not supported by the reference model")
+    for name in ("rope_freqs.weight", "blk.0.rope_freqs.weight", "rope_factors_long.weight",
+                 "blk.0.rope_factors_long.weight"):
+        if g.has_tensor(name):
+            raise ModelError(f"{g.path.name}: per-frequency RoPE factors ({name}) are not supported by the "
+                             "reference model")
+
+
 def read_hparams(g: GGUFFile) -> Hparams:
     """Resolve hyperparameters like llama.cpp's ``load_hparams`` + the arch's ``load_arch_hparams``."""
     arch = g.arch
@@ -211,7 +228,12 @@ def read_hparams(g: GGUFFile) -> Hparams:
         # llama.cpp: the 27B (62 layers) scales by n_embd / n_head, the others by the key length.
         attn_scale = 1.0 / math.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
 
+    if arch in ("llama", "mistral3", "phi3"):
+        _refuse_unsupported_extras(g, arch)
+        attn_scale = float(g.get(k("attention.scale"), 0.0) or 0.0) or attn_scale
+
     return Hparams(
+        rope_neox=arch not in ROPE_NORM_ARCHS, pre_scale_q=arch in ("gemma3", "phi3"),
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab,
         n_ctx_train=int(g.get(k("context_length"), 0) or 0), rms_eps=rms_eps,

@@ -1,10 +1,16 @@
-"""A plain-torch reference forward of Qwen3 / Gemma 3 GGUF models with per-layer attention masks.
+"""A plain-torch reference forward of Qwen3 / Gemma 3 / Qwen2 / Llama / Mistral3 / Phi-3 GGUF models
+with per-layer attention masks.
 
 It is the oracle that llama.cpp (stock and pask-patched) is checked against, and the model the
 calibration signals are measured on. It follows llama.cpp's graphs (src/models/qwen3.cpp,
 src/models/gemma3.cpp) with the weights exactly as stored in the GGUF:
 
 - Qwen3: RMSNorm, QK-RMSNorm, NEOX RoPE (GGUF base), GQA, SwiGLU FFN, scale 1/sqrt(head_dim).
+- Qwen2: as Qwen3 without QK-norm, with Q/K/V biases (and an optional output bias).
+- Llama / Mistral3: as Qwen2 without biases (optional ones are used if present), NORM RoPE (adjacent
+  pairs rotated), scale ``attention.scale`` or 1/sqrt(head_dim).
+- Phi-3: fused QKV and fused gate_up (``ffn_up`` holds [gate; up]), NEOX RoPE, Q scaled by
+  1/sqrt(head_dim) before K^T Q.
 - Gemma 3: embeddings * sqrt(n_embd); RMSNorm weights used as stored (the converter already
   folded Gemma's ``1 + w``); pre/post attention and FFN norms; QK-norm; GELU(tanh)-gated FFN;
   attention scale 1/sqrt(key_length) (27B: 1/sqrt(n_embd/n_head)); sliding-window layers (window
@@ -59,8 +65,8 @@ class _Layer:
     wk: _Linear
     wv: _Linear
     wo: _Linear
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
     ffn_gate: _Linear
     ffn_up: _Linear
@@ -142,6 +148,20 @@ class ReferenceModel:
         def B(name: str) -> torch.Tensor | None:
             return g.optional_torch(name, torch.float32, dev)
 
+        def N_opt(name: str) -> torch.Tensor | None:
+            return N(name) if g.has_tensor(name) else None
+
+        def ffn(p: str) -> tuple[_Linear, _Linear]:
+            if g.has_tensor(p + "ffn_gate.weight"):
+                return Lin(p + "ffn_gate"), Lin(p + "ffn_up")
+            fused = Lin(p + "ffn_up")           # phi3: ffn_up holds [gate; up]
+            if fused.w.shape[0] != 2 * hp.n_ff:
+                raise PaskError(f"{g.path.name}: {p}ffn_up has {fused.w.shape[0]} rows; a fused gate_up needs "
+                                f"{2 * hp.n_ff}")
+            wg, wu = torch.split(fused.w, [hp.n_ff, hp.n_ff], dim=0)
+            bg, bu = torch.split(fused.b, [hp.n_ff, hp.n_ff]) if fused.b is not None else (None, None)
+            return _Linear(wg, bg, fused.act), _Linear(wu, bu, fused.act)
+
         q_rows, kv_rows = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
         layers: list[_Layer] = []
         for il in range(hp.n_layer):
@@ -156,12 +176,16 @@ class ReferenceModel:
                 wq, wk, wv = (_Linear(w, b, fused.act) for w, b in zip(ws, bs, strict=True))
             else:
                 wq, wk, wv = Lin(p + "attn_q"), Lin(p + "attn_k"), Lin(p + "attn_v")
+            gate, up = ffn(p)
+            qk_norm = hp.arch in ("qwen3", "gemma3")
             layer = _Layer(
                 attn_norm=N(p + "attn_norm.weight"), wq=wq, wk=wk, wv=wv, wo=Lin(p + "attn_output"),
-                q_norm=N(p + "attn_q_norm.weight"), k_norm=N(p + "attn_k_norm.weight"),
-                ffn_norm=N(p + "ffn_norm.weight"), ffn_gate=Lin(p + "ffn_gate"),
-                ffn_up=Lin(p + "ffn_up"), ffn_down=Lin(p + "ffn_down"),
+                q_norm=N(p + "attn_q_norm.weight") if qk_norm else N_opt(p + "attn_q_norm.weight"),
+                k_norm=N(p + "attn_k_norm.weight") if qk_norm else N_opt(p + "attn_k_norm.weight"),
+                ffn_norm=N(p + "ffn_norm.weight"), ffn_gate=gate, ffn_up=up, ffn_down=Lin(p + "ffn_down"),
             )
+            if not qk_norm and (layer.q_norm is not None or layer.k_norm is not None):
+                raise PaskError(f"{g.path.name}: {hp.arch} with QK-norm tensors is not supported by the reference")
             if hp.arch == "gemma3":
                 layer.attn_post_norm = N(p + "post_attention_norm.weight")
                 layer.ffn_post_norm = N(p + "post_ffw_norm.weight")
@@ -266,10 +290,15 @@ class ReferenceModel:
         return out
 
     def _rotate(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """NEOX-style rotation of the first n_rot dims of x [T, H, D] (pairs i, i + n_rot/2)."""
+        """RoPE of the first n_rot dims of x [T, H, D]: NEOX pairs (i, i + n_rot/2) or, for
+        llama-style (NORM) archs, adjacent pairs (2i, 2i + 1); pair i turns by angle i either way."""
         n_rot = self.hparams.n_rot
         half = n_rot // 2
         cos, sin = table
+        if not self.hparams.rope_neox:
+            x1, x2, rest = x[..., 0:n_rot:2], x[..., 1:n_rot:2], x[..., n_rot:]
+            rot = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+            return torch.cat([rot, rest], dim=-1)
         x1, x2, rest = x[..., :half], x[..., half:n_rot], x[..., n_rot:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
 
@@ -290,13 +319,15 @@ class ReferenceModel:
         q = self._mm(h, L.wq).view(n, H, D)
         k = self._mm(h, L.wk).view(n, KV, D)
         v = self._mm(h, L.wv).view(n, KV, D)
-        q = _rms_norm(q, L.q_norm, hp.rms_eps)
-        k = _rms_norm(k, L.k_norm, hp.rms_eps)
+        if L.q_norm is not None:
+            q = _rms_norm(q, L.q_norm, hp.rms_eps)
+        if L.k_norm is not None:
+            k = _rms_norm(k, L.k_norm, hp.rms_eps)
         q = self._rotate(q, rq)
         k = self._rotate(k, rq)
         # [H, T, D] x [H, D, T]; query head h reads kv head h // group (ggml broadcast order)
-        # gemma3 scales Q before K^T Q (kq_scale 1), qwen3 scales the scores (soft_max_ext)
-        pre_scale = hp.arch == "gemma3"
+        # gemma3 / phi3 scale Q before K^T Q (kq_scale 1), the others scale the scores (soft_max_ext)
+        pre_scale = hp.pre_scale_q
         if pre_scale:
             q = q * hp.attn_scale
         kv16 = self.numerics is not None and self.numerics.kv_f16

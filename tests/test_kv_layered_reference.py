@@ -1,6 +1,6 @@
 """Oracle 2 for the layered KV cache: the independent torch reference forward.
 
-On small synthetic Qwen3 / Gemma 3 GGUFs (F32 and F16 weights), different positions are evicted in
+On small synthetic GGUFs of every attention architecture we claim (F32 and F16 weights), different positions are evicted in
 different layers at two moments of a decode, with capacities small enough that evicted cells get
 refilled. The logits llama.cpp produces must match ``calibration.reference.ReferenceModel`` run
 with per-layer masks that reproduce the timing: a token decoded before an eviction saw the evicted
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from kv_layered_helpers import random_tokens, synthetic
+from pask_local.calibration.synthetic import ATTENTION_ARCHS
 
 from pask_local.kv_layered import LayeredContext
 from pask_local.llm import ContextConfig, Model
@@ -62,7 +63,7 @@ def _run(model: Model, fa: bool, seed: int) -> tuple[np.ndarray, torch.Tensor, l
     return out, mask, toks
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ATTENTION_ARCHS)
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("fa", [False, True])
 def test_per_layer_eviction_matches_reference_forward(tmp_path, arch: str, dtype: str, fa: bool) -> None:
@@ -79,7 +80,7 @@ def test_per_layer_eviction_matches_reference_forward(tmp_path, arch: str, dtype
     diff = np.abs(got - want).max()
     effect = np.abs(want - unmasked)[PREFILL:].max()
     print(f"{arch} {dtype} fa={fa}: max|llama - ref| = {diff:.4f}, eviction effect = {effect:.3f}")
-    assert diff < 0.06
+    assert diff < 0.03 * max(2.0, float(want.std()))   # F16 KV rounding scales with the logits
     assert effect > 20 * diff
     # argmax equal wherever the reference's top-2 margin is larger than the numeric noise
     top2 = np.sort(want, axis=1)[:, -2:]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from pask_local.calibration.ggml_numerics import GGMLNumerics
 from pask_local.calibration.reference import ReferenceInputError, ReferenceModel, log_softmax_kl
-from pask_local.calibration.synthetic import SyntheticModelError, write_synthetic_gguf
+from pask_local.calibration.synthetic import ATTENTION_ARCHS, SyntheticModelError, write_synthetic_gguf
 
 from pask_local.llm import Context, ContextConfig, Model
 
@@ -75,7 +75,7 @@ def synth(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ATTENTION_ARCHS)
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_synthetic_default_context_matches_llama(synth, arch, dtype):
     """Default llama.cpp context (F16 KV): all 100 positions agree with the float reference."""
@@ -86,22 +86,26 @@ def test_synthetic_default_context_matches_llama(synth, arch, dtype):
     toks = random_tokens(model.n_vocab, 100)
     L = llama_logits(model, toks)
     R = ref.forward(torch.tensor(toks)).numpy()
-    # measured: 0.013 (qwen3 f32), 0.026 (qwen3 f16), 0.015 (gemma3 f32), 0.033 (gemma3 f16); logit std 1-2
-    assert_logits_agree(L, R, tol=0.06)
+    # measured: 0.013 (qwen3 f32), 0.026 (qwen3 f16), 0.015 (gemma3 f32), 0.033 (gemma3 f16) at logit
+    # std 1-2; qwen2 (tied embeddings, logit std ~8) 0.071 f16: the F16 KV rounding scales with the logits
+    assert_logits_agree(L, R, tol=0.03 * max(2.0, float(R.std())))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ATTENTION_ARCHS)
 def test_synthetic_f32_exact(synth, arch):
     """F32 weights + F32 KV: llama.cpp computes in f32, so the reference must match to ~1e-5
-    (gemma3 only up to its fp16 GELU table, which the reference reproduces with numerics)."""
+    (gemma3 only up to its fp16 GELU table, which the reference reproduces with numerics). Covers
+    qwen2's QKV biases, llama/mistral3's adjacent-pair RoPE, phi3's fused QKV and gate_up."""
     path = synth(arch, "f32")
     model = Model(path)
     toks = random_tokens(model.n_vocab, 100, seed=3)
     L = llama_logits(model, toks, f32_kv=True)
     ref = ReferenceModel.from_gguf(path, numerics=GGMLNumerics(act_quant=False, kv_f16=False))
     R = ref.forward(torch.tensor(toks)).numpy()
-    tol = 1e-4 if arch == "qwen3" else 5e-3   # measured 1.8e-5 / 1.1e-3
-    assert np.abs(L - R).max() < tol
+    tol = 5e-3 if arch == "gemma3" else 1e-4   # measured 1.1e-3 (gemma3), 1.8e-5 (qwen3)
+    diff = np.abs(L - R).max()
+    print(f"{arch} f32: max |llama - reference| = {diff:.2e}")
+    assert diff < tol
 
 
 def test_synthetic_q8_0_with_ggml_numerics(synth):
@@ -169,7 +173,12 @@ def test_bad_inputs_raise_one_line_errors(synth, tmp_path):
     with pytest.raises(ReferenceInputError):
         ref.forward(torch.tensor([1, 2, 3]), attn_mask=torch.ones(4, 3, 3))
     with pytest.raises(SyntheticModelError):
-        write_synthetic_gguf(tmp_path / "x.gguf", arch="llama")
+        write_synthetic_gguf(tmp_path / "x.gguf", arch="rwkv6")
+    with pytest.raises(SyntheticModelError, match="n_head . head_dim == n_embd"):
+        write_synthetic_gguf(tmp_path / "x.gguf", arch="qwen2", head_dim=32)
+    from pask_local.errors import ModelError
+    with pytest.raises(ModelError, match="'mamba' is not supported by the reference model"):
+        ReferenceModel.from_gguf(write_synthetic_gguf(tmp_path / "m.gguf", arch="mamba", n_layer=1))
     with pytest.raises(SyntheticModelError):
         write_synthetic_gguf(tmp_path / "x.gguf", n_vocab=100)
 
