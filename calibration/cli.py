@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import typer
 
+from pask_local.cli_options import ModelOption
 from pask_local.errors import PaskError
 from pask_local.policy.schema import Policy, contiguous_groups
 
@@ -103,6 +104,7 @@ def calibrate_command(
     out: Annotated[Path, typer.Option("--out", help="policy JSON to write")] = Path("policy.json"),
     groups: Annotated[int, typer.Option("--groups", help="contiguous layer groups")] = 4,
     *,
+    model: ModelOption = None,
     chunk: Annotated[int, typer.Option("--chunk", help="the engine's prefill chunk")] = 64,
     cache: Annotated[Path | None, typer.Option("--cache", help="measurement cache (default: <out>.cases.jsonl)")] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads")] = 1,
@@ -129,7 +131,7 @@ def calibrate_command(
     from rich.table import Table
 
     from pask_local.llm import Model
-    from pask_local.models import check_gguf, default_model_path, file_sha256
+    from pask_local.models import file_sha256, resolve_model
 
     from .cases import CaseSkipped, build_case
     from .reference import ReferenceModel
@@ -150,7 +152,7 @@ def calibrate_command(
     if out.parent and not out.parent.exists():
         raise CalibrationError(f"output directory does not exist: {out.parent}")
     rule.check()
-    path = check_gguf(Path(gguf)) if gguf is not None else default_model_path()
+    path = resolve_model(gguf, model)
     pool = calib_cases(categories)
     if not pool:
         raise CalibrationError("no calibration cases in the selected categories")

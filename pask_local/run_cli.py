@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .cli_options import ModelOption
 from .errors import PaskError
 from .jsonfile import read_json_file
 
@@ -46,7 +47,8 @@ def run_command(
     schema: Annotated[Path | None, typer.Option("--schema", help="Tool definitions (OpenAI tools, JSON Schema "
                                                 "or BFCL functions), a JSON file.", show_default=False)] = None,
     gguf: Annotated[str | None, typer.Option("--gguf", help="GGUF model: path or hf://owner/repo/file.gguf. "
-                                             "Default: embedded Gemma 3 270M.", show_default=False)] = None,
+                                             "Default: the named model gemma3-270m.", show_default=False)] = None,
+    model: ModelOption = None,
     method: Annotated[str, typer.Option("--method", help=METHOD_HELP)] = "pask",
     budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,
     policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn). "
@@ -111,7 +113,7 @@ def run_command(
     msgs = parse_messages(convo) if convo is not None else user_message(request or "")
     default_choice = "auto" if convo is not None else "required"
     choice = parse_tool_choice(_tool_choice(tool_choice) or choice_raw or default_choice, [t.name for t in tools])
-    model = Model(resolve_model(gguf))
+    model = Model(resolve_model(gguf, model))
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
                     EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style]))

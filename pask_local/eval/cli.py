@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from ..cli_options import ModelOption
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
 from .generator import KNOWN_METHODS
@@ -37,6 +38,7 @@ def eval_command(
     gguf: Annotated[str | None, typer.Option(
         "--gguf", help="GGUF model: a local path or hf://owner/repo/file.gguf. Default: the embedded "
         "Gemma 3 270M (base, Q4_K_M).", show_default=False)] = None,
+    model: ModelOption = None,
     limit: Annotated[int | None, typer.Option(help="At most N cases per category (first N of the split).",
                                               show_default=False)] = None,
     split: Annotated[str, typer.Option(help="Which split: eval (75%), calib (25%; by hashed case id) or all.")] = "eval",
@@ -80,7 +82,7 @@ def eval_command(
         raise PaskError(f"answers file not found: {answers}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
-    cfg = EvalConfig(gguf=resolve_model(gguf), out=out, methods=method_list, budgets=budget_list,
+    cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style)
