@@ -2,7 +2,8 @@
 
 Evicting the same positions in every layer of a layered context must give the logits that upstream
 ``llama_memory_seq_rm`` of those positions gives on a normal context (same model, same tokens).
-Checked on the real Gemma 3 270M (iSWA graph path) and on synthetic GGUFs of every attention
+Checked on the real Gemma 3 270M (iSWA graph path), the real Qwen2.5-Coder 0.5B and 1.5B (qwen2),
+and on synthetic GGUFs of every attention
 architecture we claim (qwen3, gemma3 with a short sliding window, llama, qwen2 with QKV biases, phi3
 with fused QKV/gate_up, mistral3), flash attention off and on, one and two sequences.
 """
@@ -69,6 +70,25 @@ def test_gemma_270m_same_eviction_in_every_layer_matches_upstream_seq_rm(gemma_p
     config = ContextConfig(n_ctx=256, n_batch=64, flash_attn=fa)
     diff = _compare(model, prompt, cont, evicted, config)
     print(f"gemma 270M fa={fa}: max |layered - upstream| = {diff:.2e}")
+    assert diff < 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+@pytest.mark.parametrize("fa", [False, True])
+def test_qwen25_same_eviction_in_every_layer_matches_upstream_seq_rm(name: str, fa: bool) -> None:
+    """The real Qwen2.5-Coder instruct models (qwen2: QKV biases, GQA, Q4_K_M), as installed by
+    scripts/setup (named models, assembled from their packages on first use)."""
+    from pask_local.models import named_model_path
+
+    model = Model(named_model_path(name))
+    toks = model.tokenize(PROMPT * 2, add_special=True)
+    prompt, cont = toks[:-8], toks[-8:]
+    assert len(prompt) > 100
+    evicted = [*range(5, 25), *range(40, 48), 60, 63, 64, 90]
+    config = ContextConfig(n_ctx=256, n_batch=64, flash_attn=fa)
+    diff = _compare(model, prompt, cont, evicted, config)
+    print(f"{name} fa={fa}: max |layered - upstream| = {diff:.2e}")
     assert diff < 1e-2
 
 
