@@ -82,7 +82,8 @@ def write_synthetic_gguf(path: str | os.PathLike[str], arch: str = "qwen3", n_la
     """Write a random-weight ``arch`` GGUF at ``path`` and return its Path.
 
     dims (defaults per arch in ``_DEFAULTS``): n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab,
-    n_ctx, rope_base, rms_eps, tie_embeddings; gemma3 also rope_base_swa, sliding_window,
+    n_ctx, rope_base, rms_eps, tie_embeddings (mamba: n_embd, n_vocab, n_ctx, rms_eps, d_state,
+    d_conv, dt_rank); qwen2 and phi3 need n_head * head_dim == n_embd; gemma3 also rope_base_swa, sliding_window,
     swa_pattern (int period as in llama.cpp, or a per-layer bool list), final_logit_softcapping
     (0: none). chat_template / control_tokens: a jinja chat template for the GGUF metadata and the
     control tokens it uses (added to the vocab after the byte tokens). dtype: the matrices' type, "f32", "f16", "bf16", "q8_0", "q5_0" or "q4_0" (quantized with

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from pask_local.calibration.cli import CalibrationError, calib_cases, calibrate_command
 from pask_local.calibration.synthetic import write_synthetic_gguf
@@ -110,3 +111,14 @@ def test_cache_without_joint_cells_gets_them_added(synth, tmp_path):
     assert [j["class"] for j in lines[1]["joint"]] == [j["class"] for j in rec["joint"]]
     assert [j["dnll"] for j in lines[1]["joint"]] == pytest.approx([j["dnll"] for j in rec["joint"]])
     assert pol.provenance["floor_signal"] == "joint"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "phi3"])
+def test_calibrate_runs_on_other_attention_architectures(tmp_path, arch):
+    """The reference learns qwen2 / llama / phi3: calibration measures every (group, class) cell."""
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch=arch, seed=3, n_ctx=4096)
+    pol = calibrate_command(path, ["simple_python"], 1, tmp_path / "p.json", groups=2, max_tokens=4000, quiet=True)
+    assert pol.kind == "calibrated" and pol.provenance["n_cases"] == 1 and pol.groups == [[0, 1], [2, 3]]
+    meas = pol.provenance["measurements"]
+    assert meas and {m["group"] for m in meas} == {0, 1}
+    assert all(np.isfinite(m["dnll_mean"]) for m in meas)
