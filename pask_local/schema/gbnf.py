@@ -1,4 +1,4 @@
-"""GBNF grammars for function calls, with rule names that map parser states back to schema paths.
+r"""GBNF grammars for function calls, with rule names that map parser states back to schema paths.
 
 ``build_grammar(tools, parallel)`` returns a ``CallGrammar``: the GBNF text for one call
 ``{"name": "<tool>", "arguments": {...}}`` (or, with ``parallel``, a JSON list of such calls) and a
@@ -12,7 +12,11 @@ Rule names (``[a-zA-Z0-9-]``) encode tool, path and role: ``t<i>-name`` (the too
 helpers of a free-form value). Every leaf value is written inside its own rule, never through a
 shared rule in tail position, so while the parser is inside a value the value's rule (or a rule the
 GBNF parser generated from it, named ``<rule>_<n>``) is on the stack.
-GBNF string literals are escaped with llama-cpp-python's converter (``SchemaConverter._format_literal``).
+GBNF string literals are escaped here (``lit``): llama-cpp-python's ``SchemaConverter._format_literal``
+leaves backslashes alone, so a JSON escape such as ``\u001f`` or ``\\`` inside a key or an enum
+string turned into a raw control character or a different escape in the output (found by fuzzing).
+Numbers keep exponents to two digits (``1e999`` parses to ``inf``, which is not JSON) and ``\u``
+escapes exclude the UTF-16 surrogates (a lone ``\ud800`` is not text any encoder accepts).
 """
 
 from __future__ import annotations
@@ -22,23 +26,37 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_cpp.llama_grammar import SchemaConverter
-
 from .tools import ToolSpec
 
-_LIT = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+_HEX = "[0-9a-fA-F]"
+# \u escapes: any code point but the UTF-16 surrogates D800-DFFF
+_U_ESCAPE = f'"u" ([0-9a-cA-CeEfF] {_HEX} {_HEX} {_HEX} | [dD] [0-7] {_HEX} {_HEX})'
+CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | ' + _U_ESCAPE + ")"
 INT_BODY = '"-"? ("0" | [1-9] [0-9]{0,15})'
-NUM_BODY = INT_BODY + ' ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})?'
+NUM_BODY = INT_BODY + ' ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,2})?'
 STR_BODY = '"\\"" char* "\\""'
 PRIMITIVE_BODY = {"string": STR_BODY, "integer": INT_BODY, "number": NUM_BODY,
                   "boolean": '("true" | "false")', "null": '"null"'}
 SUFFIX_RE = re.compile(r"(_\d+)+$")
 
 
+_LIT_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
 def lit(text: str) -> str:
-    """A GBNF literal matching ``text`` exactly."""
-    return _LIT._format_literal(text)
+    """A GBNF literal matching ``text`` exactly (backslash, quote and control characters escaped)."""
+    out = []
+    for c in text:
+        esc = _LIT_ESCAPES.get(c)
+        if esc is None and (ord(c) < 0x20 or ord(c) == 0x7F):
+            esc = f"\\x{ord(c):02X}"
+        out.append(esc or c)
+    return '"' + "".join(out) + '"'
+
+
+def _jtext(value: object) -> str:
+    """A JSON scalar as the model writes it: compact, non-ASCII characters raw (control ones escaped)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -96,7 +114,7 @@ class _Builder:
         name = f"t{tool}-v-" + "-".join(self.slug(p) if p != "[]" else "x" for p in path) if path else f"t{tool}-args"
         role = Role("value", tool, path, required)
         if "enum" in schema:
-            return self.add(name, " | ".join(lit(json.dumps(v)) for v in schema["enum"]), role)
+            return self.add(name, " | ".join(lit(_jtext(v)) for v in schema["enum"]), role)
         t = schema.get("type")
         if t is None:
             return self.any_value(name, role)
@@ -120,7 +138,7 @@ class _Builder:
         def kv(key: str) -> str:
             is_req = required and key in req
             kname = self.add(f"t{tool}-k-" + "-".join(self.slug(p) if p != "[]" else "x" for p in (*path, key)),
-                             lit(json.dumps(key)), Role("key", tool, (*path, key), is_req))
+                             lit(_jtext(key)), Role("key", tool, (*path, key), is_req))
             vname = self.value(props[key], tool, (*path, key), is_req)
             return f'{kname} ": " {vname}'
 
@@ -160,7 +178,7 @@ class _Builder:
         return rule
 
     def call(self, i: int, tool: ToolSpec) -> str:
-        name_rule = self.add(f"t{i}-name", lit(json.dumps(tool.name)), Role("name", i, (), True))
+        name_rule = self.add(f"t{i}-name", lit(_jtext(tool.name)), Role("name", i, (), True))
         args = self.value(tool.parameters, i, (), True)
         self.roles.pop(args, None)  # the arguments object itself is structure, not a value
         return self.add(f"t{i}-call", f'{name_rule} ", \\"arguments\\": " {args}')
