@@ -136,6 +136,8 @@ class Model:
         key = token if special else -1 - token
         got = self._pieces.get(key)
         if got is None:
+            if not 0 <= token < self.n_vocab:  # llama.cpp throws a C++ exception: the process aborts
+                raise NativeError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
             raw = _raw()
             buf = ctypes.create_string_buffer(64)
             n = raw.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)

@@ -49,6 +49,7 @@ class GrammarState:
         if not self._ptr:
             raise SchemaError("llama.cpp rejected the generated grammar (see PASK_VERBOSE=1 output)")
         self._vp = ctypes.cast(self._ptr, ctypes.c_void_p)
+        self.n_vocab: int = raw.llama_vocab_n_tokens(vocab)
         n = self._fn["n_rules"](self._vp)
         if n < 0:
             raise NativeError("pask_grammar_n_rules failed on a grammar sampler")
@@ -115,6 +116,8 @@ class GrammarState:
         """Upstream filtering over the whole vocabulary: logits with rejected tokens at -inf."""
         raw = _raw()
         n = len(logits)
+        if n != self.n_vocab:  # upstream reads every id's piece: an id past the vocabulary aborts
+            raise NativeError(f"full_filter needs one logit per token ({self.n_vocab}), got {n}")
         data = np.empty(n, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
         data["id"] = np.arange(n, dtype=np.int32)
         data["logit"] = logits

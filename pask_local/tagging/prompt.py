@@ -223,6 +223,8 @@ def map_spans(model: Model, spans: list[Span], add_bos: bool | None = None,
     tokenised without it, so text in a request can never forge a control token.
     """
     spans = [s for s in spans if s[0]]
+    for text, cls in spans:
+        _check_utf8(text, cls)
     if special_template:
         tokens, classes, group = [], [], []
         for span in [*spans, None]:
@@ -248,6 +250,15 @@ def map_spans(model: Model, spans: list[Span], add_bos: bool | None = None,
     elif classes:
         classes[0] = C.SINK
     return tokens, classes
+
+
+def _check_utf8(text: str, cls: C) -> None:
+    """Text must encode as UTF-8 (a lone surrogate, e.g. an undecodable byte of argv, does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PaskError(f"prompt text ({cls.value}) is not valid UTF-8 at character {exc.start} "
+                        "(an undecodable byte or a lone surrogate)") from None
 
 
 def _aligned(model: Model, spans: list[Span]) -> tuple[list[int], list[C]]:
