@@ -207,6 +207,12 @@ def test_models_lists_the_three(cli) -> None:
 SCHEMA = str(REPO / "examples" / "get_weather.json")
 
 
+def test_install_of_an_installed_model_reuses_its_parts_and_cache(cli, qwen05_path: Path) -> None:
+    r = cli("models", "--install", "qwen2.5-coder-0.5b")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith(str(qwen05_path)) and "installing" not in r.stderr
+
+
 @pytest.mark.parametrize("args, needle", [
     (["run", "--model", "nope", "--schema", SCHEMA, "hi"], "qwen2.5-coder-1.5b"),
     (["info", "--model", "nope"], "gemma3-270m"),
