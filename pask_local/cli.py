@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .cli_options import ModelOption
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)
     except PaskError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # text, not markup
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -8,6 +8,7 @@ message names the file, the line and what is wrong. No Textual here: the replay 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    """A finite JSON number (Python's json reads NaN and Infinity, which no trace writer emits)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class TraceReader:
@@ -131,6 +133,7 @@ class TraceReader:
 
     # ------------------------------------------------------------- errors
     def _fail(self, what: str) -> TraceError:
+        what = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in what)  # one line, whatever the input
         return TraceError(f"{self.source}, line {self.lineno}: {what}")
 
     # --------------------------------------------------------------- input
@@ -145,6 +148,8 @@ class TraceReader:
             if cut:
                 raise self._fail(f"the line is cut off (file truncated?): {exc.msg}") from None
             raise self._fail(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise self._fail("JSON nested too deeply") from None
         self.feed(obj)
 
     def feed(self, obj: Any) -> None:
@@ -191,10 +196,10 @@ class TraceReader:
         groups = self._need(o, "groups", lambda v: isinstance(v, list) and v and all(
             isinstance(g, list) and g and all(_is_int(i) for i in g) for g in v), "a list of layer lists")
         flat = sorted(i for g in groups for i in g)
-        if flat != list(range(n_layer)):
+        if len(flat) != n_layer or flat != list(range(n_layer)):  # length first: n_layer may be absurd
             raise self._fail(f"\"groups\" must cover layers 0..{n_layer - 1} exactly once")
-        capacity = self._need(o, "capacity", lambda v: isinstance(v, list) and all(_is_int(c) for c in v),
-                              "a list of integers")
+        capacity = self._need(o, "capacity", lambda v: isinstance(v, list) and all(_is_int(c) and c >= 0 for c in v),
+                              "a list of non-negative integers")
         if len(capacity) != n_layer:
             raise self._fail(f"\"capacity\" has {len(capacity)} entries for {n_layer} layers")
         policy = o.get("policy")
@@ -202,7 +207,7 @@ class TraceReader:
             raise self._fail("\"policy\" must be an object or null")
         swa = o.get("swa_layers", [])
         window = o.get("window", 0)
-        if not (isinstance(swa, list) and all(_is_int(i) and 0 <= i < n_layer for i in swa)) or not _is_int(window):
+        if not (isinstance(swa, list) and all(_is_int(i) and 0 <= i < n_layer for i in swa)) or not (_is_int(window) and window >= 0):
             raise self._fail("\"swa_layers\" must list layer indices and \"window\" be an integer")
         method = self._need(o, "method", lambda v: isinstance(v, str) and v, "a method name")
         budget = self._need(o, "budget", lambda v: v is None or (_is_num(v) and 0 < v <= 1),
@@ -289,8 +294,8 @@ class TraceReader:
             raise self._fail(f"step {step} at position {pos}, expected {self._n_prompt + step}")
         if len(t.tokens) <= pos:
             raise self._fail(f"step {step} before the token at position {pos}")
-        kept = self._need(o, "kept", lambda v: isinstance(v, list) and all(_is_int(k) for k in v),
-                          "a list of integers")
+        kept = self._need(o, "kept", lambda v: isinstance(v, list) and all(_is_int(k) and k >= 0 for k in v),
+                          "a list of non-negative integers")
         if len(kept) != t.header.n_groups:
             raise self._fail(f"\"kept\" has {len(kept)} entries for {t.header.n_groups} groups")
         ms = o.get("ms", 0.0)
@@ -301,7 +306,8 @@ class TraceReader:
         t = self.trace
         assert t is not None
         retained = self._need(o, "retained", lambda v: isinstance(v, dict) and all(
-            isinstance(p, list) and all(_is_int(i) for i in p) for p in v.values()), "an object of position lists")
+            isinstance(p, list) and all(_is_int(i) and 0 <= i < len(t.tokens) for i in p) for p in v.values()),
+            "an object of lists of positions in the trace")
         want = {str(g) for g in range(t.header.n_groups)}
         if set(retained) != want:
             raise self._fail(f"\"retained\" must have keys {sorted(want)}, got {sorted(retained)}")

@@ -9,6 +9,7 @@ layers, written out so a policy can be checked against a model. See docs/policy-
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,40 +83,57 @@ class Policy:
     def from_json(cls, data: Any, source: str = "policy") -> Policy:
         if not isinstance(data, dict) or data.get("format") != "pask-policy":
             raise PolicyError(f"{source}: not a pask policy (missing \"format\": \"pask-policy\")")
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") != FORMAT_VERSION or isinstance(data.get("version"), bool):
             raise PolicyError(f"{source}: unsupported policy version {data.get('version')!r}")
         kind = data.get("kind")
-        if kind not in KINDS:
+        if not isinstance(kind, str) or kind not in KINDS:
             raise PolicyError(f"{source}: kind must be one of {', '.join(KINDS)}")
         groups = data.get("groups")
         if not isinstance(groups, list) or not groups or not all(
-            isinstance(g, list) and g and all(isinstance(i, int) for i in g) for g in groups
+            isinstance(g, list) and g and all(_is_int(i) for i in g) for g in groups
         ):
-            raise PolicyError(f"{source}: groups must be a non-empty list of non-empty layer lists")
+            raise PolicyError(f"{source}: groups must be a non-empty list of non-empty lists of layer indices")
         flat = sorted(i for g in groups for i in g)
         if flat != list(range(len(flat))):
             raise PolicyError(f"{source}: groups must partition layers 0..{len(flat) - 1} exactly once")
-        if data.get("n_layer", len(flat)) != len(flat):
-            raise PolicyError(f"{source}: n_layer {data.get('n_layer')} disagrees with groups ({len(flat)})")
+        n_layer = data.get("n_layer", len(flat))
+        if not _is_int(n_layer) or n_layer != len(flat):
+            raise PolicyError(f"{source}: n_layer {_show(n_layer)} disagrees with groups ({len(flat)})")
         order = data.get("within_class_order", "oldest-first")
-        if order not in ORDERS:
+        if not isinstance(order, str) or order not in ORDERS:
             raise PolicyError(f"{source}: within_class_order must be one of {', '.join(ORDERS)}")
         floors = _class_tables(data.get("floors"), len(groups), source, "floors", upper=1.0)
         weights = _class_tables(data.get("weights"), len(groups), source, "weights", upper=None)
-        never = tuple(_cls(v, source, "never_evict") for v in data.get("never_evict", ["sink"]))
+        never_raw = data.get("never_evict", ["sink"])
+        if not isinstance(never_raw, list):
+            raise PolicyError(f"{source}: never_evict must be a list of class names")
+        never = tuple(_cls(v, source, "never_evict") for v in never_raw)
+        provenance = data.get("provenance", {})
+        if not isinstance(provenance, dict):
+            raise PolicyError(f"{source}: provenance must be an object")
         return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
-                   never_evict=never, provenance=dict(data.get("provenance", {})))
+                   never_evict=never, provenance=dict(provenance))
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
         return cls.from_json(read_json_file(path, "policy", PolicyError), source=str(path))
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _show(value: Any) -> str:
+    """A value for a one-line message: JSON-ish, non-printable characters escaped, cut at 60."""
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in repr(value))
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def _cls(value: Any, source: str, where: str) -> StructuralClass:
     try:
         return StructuralClass(value)
-    except ValueError:
-        raise PolicyError(f"{source}: unknown structural class {value!r} in {where}") from None
+    except (ValueError, TypeError):
+        raise PolicyError(f"{source}: unknown structural class {_show(value)} in {where}") from None
 
 
 def _class_tables(raw: Any, n_groups: int, source: str, name: str,
@@ -129,9 +147,10 @@ def _class_tables(raw: Any, n_groups: int, source: str, name: str,
         out: dict[StructuralClass, float] = {}
         for key, value in table.items():
             c = _cls(key, source, f"{name}[{g}]")
-            if not isinstance(value, (int, float)) or value < 0 or (upper is not None and value > upper):
-                bound = f"[0, {upper}]" if upper is not None else ">= 0"
-                raise PolicyError(f"{source}: {name}[{g}][{key}] = {value!r} must be a number in {bound}")
+            if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+                    or value < 0 or (upper is not None and value > upper)):
+                bound = f"[0, {upper}]" if upper is not None else ">= 0 (finite)"
+                raise PolicyError(f"{source}: {name}[{g}][{c.value}] = {_show(value)} must be a number in {bound}")
             out[c] = float(value)
         for c in StructuralClass:
             out.setdefault(c, 0.0)
