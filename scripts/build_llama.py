@@ -11,6 +11,11 @@ Steps (each fails loudly with a one-line reason):
 4. cache the wheel under a key (sdist sha256, hash of patches/ + ggml_kernels/, flags) and
    install it into the running interpreter's environment. An unchanged tree never rebuilds.
 
+``--sanitize address,undefined`` builds the same series with ASan/UBSan (RelWithDebInfo, frame
+pointers) into its own source tree, build dir and cache key, and installs it only into a separate
+virtual environment (``--venv .venv-asan``), never the default one; ``scripts/sanitize_check``
+runs the native tests under it.
+
 Standard library only: it runs before anything else is installed.
 """
 
@@ -21,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +51,11 @@ SKIP_FLAGS = [
 ]
 # AMX kernels segfault on quantized models on the AMX Xeons we run on: always off.
 NO_AMX = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+# --sanitize kinds -> the llama.cpp/ggml CMake options that compile and link with -fsanitize
+SANITIZERS = {
+    "address": ["-DLLAMA_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_ADDRESS=ON"],
+    "undefined": ["-DLLAMA_SANITIZE_UNDEFINED=ON", "-DGGML_SANITIZE_UNDEFINED=ON"],
+}
 
 
 class BuildError(RuntimeError):
@@ -60,6 +71,21 @@ class BuildPlan:
     sdist_sha256: str
     series_hash: str
     flags: tuple[str, ...]
+    sanitize: tuple[str, ...] = ()
+
+    @property
+    def flavour(self) -> str:
+        """cpu | cuda, plus -san-<kinds> for a sanitizer build (its own source tree and build dir)."""
+        base = "cuda" if "-DGGML_CUDA=ON" in self.flags else "cpu"
+        return base + ("-san-" + "-".join(self.sanitize) if self.sanitize else "")
+
+    @property
+    def build_type(self) -> str:
+        return "RelWithDebInfo" if self.sanitize else "Release"
+
+    def cmake_args(self) -> str:
+        """The CMAKE_ARGS environment value (shell-quoted: sanitizer C flags contain spaces)."""
+        return shlex.join([*self.flags, f"-DCMAKE_BUILD_TYPE={self.build_type}"])
 
     @property
     def key(self) -> str:
@@ -131,13 +157,39 @@ def cuda_flags(toolkit_roots: list[Path] | None = None) -> list[str]:
     return ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", *NO_AMX]
 
 
-def make_plan(cuda: bool, avx512: bool | None = None, repo: Path = REPO_ROOT) -> BuildPlan:
+def parse_sanitize(text: str | None) -> tuple[str, ...]:
+    """``"address,undefined"`` -> ("address", "undefined") (sorted, unique); BuildError on other kinds."""
+    if text is None:
+        return ()
+    kinds = sorted({k.strip() for k in text.split(",") if k.strip()})
+    if not kinds:
+        raise BuildError("--sanitize needs a list of sanitizers: address, undefined")
+    bad = [k for k in kinds if k not in SANITIZERS]
+    if bad:
+        raise BuildError(f"unsupported sanitizer {', '.join(bad)} (supported: {', '.join(SANITIZERS)})")
+    return tuple(kinds)
+
+
+def sanitize_flags(kinds: tuple[str, ...]) -> list[str]:
+    """CMake flags for a sanitizer build: the llama/ggml options plus -fsanitize for every C/C++ file."""
+    if not kinds:
+        return []
+    fs = f"-fsanitize={','.join(kinds)} -fno-omit-frame-pointer"
+    out = [f for k in kinds for f in SANITIZERS[k]]
+    return [*out, f"-DCMAKE_C_FLAGS={fs}", f"-DCMAKE_CXX_FLAGS={fs}",
+            f"-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize={','.join(kinds)}"]
+
+
+def make_plan(cuda: bool, avx512: bool | None = None, repo: Path = REPO_ROOT,
+              sanitize: tuple[str, ...] = ()) -> BuildPlan:
     series = series_hash(repo)
     if avx512 is None:
         avx512 = host_has_avx512()
+    if sanitize and cuda:
+        raise BuildError("--sanitize builds are CPU builds (drop --cuda)")
     flags = cuda_flags() if cuda else cpu_flags(avx512)
-    flags = [*flags, *SKIP_FLAGS, f"-DPASK_PATCH_SERIES={series}"]
-    return BuildPlan(PINNED_SHA256, series, tuple(flags))
+    flags = [*flags, *SKIP_FLAGS, *sanitize_flags(tuple(sanitize)), f"-DPASK_PATCH_SERIES={series}"]
+    return BuildPlan(PINNED_SHA256, series, tuple(flags), tuple(sanitize))
 
 
 def sha256_file(path: Path) -> str:
@@ -225,14 +277,14 @@ def sync_tree(src: Path, dst: Path) -> int:
     return changed
 
 
-def installed_build_info() -> dict | None:
-    """The pask_build.json of the llama_cpp importable by this interpreter, if any."""
+def installed_build_info(python: str | None = None) -> dict | None:
+    """The pask_build.json of the llama_cpp importable by ``python`` (default: this interpreter), if any."""
     code = (
         "import importlib.util,pathlib,sys;s=importlib.util.find_spec('llama_cpp');"
         f"p=pathlib.Path(s.origin).parent/'{BUILD_INFO_NAME}' if s else None;"
         "sys.stdout.write(p.read_text() if p and p.is_file() else '')"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None
     try:
@@ -248,7 +300,7 @@ def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path
         log(f"cached wheel {plan.key}")
         return wheels[0]
     sdist = fetch_sdist(cache / "sdist")
-    flavour = "cuda" if "-DGGML_CUDA=ON" in plan.flags else "cpu"
+    flavour = plan.flavour
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         staged = extract_sdist(sdist, Path(tmp))
         names = apply_patches(staged, repo / "patches")
@@ -258,7 +310,8 @@ def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path
             shutil.copytree(kernels, staged / "vendor" / "llama.cpp" / "pask_kernels",
                             ignore=shutil.ignore_patterns("__pycache__"))
         info = {"key": plan.key, "series": plan.series_hash, "sdist_sha256": plan.sdist_sha256,
-                "flags": list(plan.flags), "patches": names, "version": PINNED_VERSION}
+                "flags": list(plan.flags), "patches": names, "version": PINNED_VERSION,
+                "sanitize": list(plan.sanitize)}
         (staged / "llama_cpp" / BUILD_INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
         tree = cache / "src" / f"{plan.sdist_sha256[:12]}-{flavour}"
         changed = sync_tree(staged, tree)
@@ -266,10 +319,10 @@ def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path
     build_dir = cache / "build" / f"{plan.sdist_sha256[:12]}-{flavour}"
     out = Path(tempfile.mkdtemp(dir=cache))
     env = dict(os.environ)
-    env["CMAKE_ARGS"] = " ".join([*plan.flags, "-DCMAKE_BUILD_TYPE=Release"])
+    env["CMAKE_ARGS"] = plan.cmake_args()
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
-           "-C", f"build-dir={build_dir}", "-C", "cmake.build-type=Release", str(tree)]
+           "-C", f"build-dir={build_dir}", "-C", f"cmake.build-type={plan.build_type}", str(tree)]
     log(f"building wheel ({flavour}; a full build takes 6-15 min on 2 cores, incremental ~2 min)")
     logfile = cache / "build.log"
     with open(logfile, "w") as lf:
@@ -296,11 +349,30 @@ def ensure_build_backend() -> None:
             raise BuildError("could not install scikit-build-core")
 
 
+def venv_python(venv: Path) -> str:
+    """The interpreter of a separate virtual environment for a sanitizer wheel, created if missing;
+    BuildError when it is the environment this script runs in (the default wheel lives there)."""
+    venv = venv.resolve()
+    if venv == Path(sys.prefix).resolve():
+        raise BuildError(f"--venv {venv} is the running environment; a sanitizer wheel needs its own venv")
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        log(f"creating {venv}")
+        proc = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BuildError(f"could not create the venv {venv}: {_last_line(proc.stderr)}")
+    return str(python)
+
+
 def install(cuda: bool = False, force: bool = False, verbose: bool = False,
-            repo: Path = REPO_ROOT) -> Path | None:
-    """Ensure the patched wheel for the current tree is built, cached and installed."""
-    plan = make_plan(cuda, repo=repo)
-    current = installed_build_info()
+            repo: Path = REPO_ROOT, sanitize: tuple[str, ...] = (), venv: Path | None = None) -> Path | None:
+    """Ensure the patched wheel for the current tree is built, cached and installed (a sanitizer
+    build: into ``venv`` only, with the project and its test dependencies)."""
+    plan = make_plan(cuda, repo=repo, sanitize=sanitize)
+    if sanitize and venv is None:
+        raise BuildError("--sanitize installs only into a separate venv: add --venv PATH (e.g. .venv-asan)")
+    python = venv_python(venv) if venv is not None else sys.executable
+    current = installed_build_info(python)
     if not force and current and current.get("key") == plan.key:
         log(f"patched llama-cpp-python up to date (series {plan.series_hash}, key {plan.key})")
         return None
@@ -310,11 +382,16 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_build_backend()
         wheel = build_wheel(plan, repo, cache, verbose)
-        log(f"installing {wheel.name}")
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+        log(f"installing {wheel.name}" + (f" into {venv}" if venv is not None else ""))
+        proc = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
                                "--force-reinstall", str(wheel)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise BuildError(f"pip could not install {wheel}: {_last_line(proc.stderr)}")
+        if venv is not None:  # the project itself (its other dependencies from the index), editable
+            proc = subprocess.run([python, "-m", "pip", "install", "-q", "-e", f"{repo}[dev]"],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"pip could not install pask-local into {venv}: {_last_line(proc.stderr)}")
     log(f"installed patched llama-cpp-python (series {plan.series_hash}, key {plan.key})")
     return wheel
 
@@ -341,12 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="reinstall even when the installed build matches")
     ap.add_argument("--verbose", action="store_true", help="stream the compiler output")
     ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
+    ap.add_argument("--sanitize", metavar="KINDS", help="build with sanitizers: address,undefined (needs --venv)")
+    ap.add_argument("--venv", type=Path, help="install into this separate virtual environment (created if missing)")
     args = ap.parse_args(argv)
     try:
+        sanitize = parse_sanitize(args.sanitize)
         if args.print_key:
-            print(make_plan(args.cuda).key)
+            print(make_plan(args.cuda, sanitize=sanitize).key)
             return 0
-        install(cuda=args.cuda, force=args.force, verbose=args.verbose)
+        install(cuda=args.cuda, force=args.force, verbose=args.verbose, sanitize=sanitize, venv=args.venv)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
