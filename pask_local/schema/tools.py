@@ -71,7 +71,7 @@ def _path(parts: Iterable[str], root: str = "$") -> str:
     out = root
     for p in parts:
         out += f"[{p}]" if p.isdigit() else f".{_printable(p, 40)}"
-    return out
+    return out if len(out) <= 160 else out[:60] + "..." + out[-90:]  # deep paths: both ends
 
 
 def _printable(text: str, limit: int) -> str:
