@@ -36,7 +36,7 @@ def bad_files(tmp_path_factory):
     ("/nonexistent/model.gguf", "model file not found"),
     ("text.gguf", "not a GGUF file"),
     ("trunc.gguf", "truncated"),
-    ("corrupt.gguf", "tensors announced"),  # gguf_check, before llama.cpp reads it
+    ("corrupt.gguf", "metadata entries"),  # gguf_check, before llama.cpp reads it
     ("hf://nobody/nothing/model.gguf", "unreachable"),
 ])
 def test_bad_model_paths(cli, bad_files, gguf, needle):
