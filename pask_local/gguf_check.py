@@ -243,7 +243,10 @@ def _check_metadata(s: GGUFSummary) -> None:
             raise _Bad(f"metadata '{key}' has {len(vals)} entries for {n_layer} layers")
         if any(not 0 <= h <= MAX_HEADS for h in vals):
             raise _Bad(f"metadata '{key}' = {vals if len(vals) > 1 else vals[0]} is out of range 0..{MAX_HEADS}")
-    if heads is not None and not any(heads):
+    # a model without attention (Mamba, RWKV: their state keys are {arch}.ssm.* / {arch}.wkv.*) may say
+    # 0 heads; whether pask-local can run it is the layered cache's verdict, naming the architecture
+    recurrent = any(k.startswith((f"{arch}.ssm.", f"{arch}.wkv.", f"{arch}.rescale_every")) for k in s.metadata)
+    if heads is not None and not any(heads) and not recurrent:
         raise _Bad(f"metadata '{arch}.attention.head_count' is 0 in every layer")
     if heads is not None:
         kv = heads_kv if heads_kv is not None else heads
