@@ -1,7 +1,8 @@
 """The sensitivity signal on the embedded Gemma 3 270M is not noise: on the same calib cases,
 evicting the user's query or the parameter names in every layer raises the gold call's NLL far
 more than evicting the (larger) tool descriptions. Also: the shipped calibrated policy is the
-default for this model, and another model gets it mapped by relative depth with a warning."""
+default for this model, and any other model gets the hand-written prior with a notice (never a
+policy calibrated on another model)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pask_local.calibration.synthetic import write_synthetic_gguf
 from pask_local.classes import StructuralClass as C
 from pask_local.llm import Model
 from pask_local.models import file_sha256
+from pask_local.policy.handwritten import handwritten_policy
 from pask_local.policy.shipped import resolve_default_policy, shipped_policies
 
 N_CASES = 3
@@ -63,11 +65,12 @@ def test_shipped_policy_is_calibrated_for_the_embedded_model(gemma_path):
     assert warning is None and chosen.kind == "calibrated" and chosen.floors == pol.floors
 
 
-@pytest.mark.parametrize("arch, n_layer", [("gemma3", 6), ("qwen3", 4)])
-def test_other_models_get_the_calibrated_policy_mapped_by_depth(tmp_path, arch, n_layer):
+@pytest.mark.parametrize("arch, n_layer", [("gemma3", 6), ("qwen3", 4), ("gemma3", 18)])
+def test_other_models_get_the_prior_with_a_notice(tmp_path, arch, n_layer):
+    # never a policy calibrated on another model, even of the same architecture and depth
     path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch=arch, n_layer=n_layer, seed=2)
     chosen, warning = resolve_default_policy(Model(path))
-    assert chosen.kind == "mapped" and chosen.n_layer == n_layer
-    assert warning and "mapped by relative layer depth" in warning and path.name in warning
-    assert chosen.provenance["mapped_from"].endswith(".json")
+    assert chosen.kind == "hand-written" and chosen.n_layer == n_layer
+    assert warning and "hand-written prior" in warning and path.name in warning
+    assert chosen.floors == handwritten_policy(n_layer).floors
     chosen.check_model(n_layer)

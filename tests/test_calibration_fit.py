@@ -16,7 +16,6 @@ from pask_local.calibration.policy_fit import (
 from pask_local.classes import StructuralClass as C
 from pask_local.policy.compile import compile_policy
 from pask_local.policy.schema import Policy, contiguous_groups
-from pask_local.policy.shipped import map_by_depth, nearest_calibrated
 
 GROUPS = [[0, 1], [2, 3]]
 
@@ -160,29 +159,3 @@ def calibrated(n_layer: int, arch: str = "gemma3", name: str = "p.json") -> Poli
                   provenance={"arch": arch, "model_sha256": "s" + name, "file": name})
 
 
-def test_map_by_depth_keeps_relative_boundaries():
-    src = calibrated(18)                               # groups 0-3, 4-8, 9-13, 14-17
-    m = map_by_depth(src, 36)
-    assert m.kind == "mapped" and m.n_layer == 36
-    assert [(g[0], g[-1]) for g in m.groups] == [(0, 7), (8, 17), (18, 27), (28, 35)]
-    assert [f[C.QUERY] for f in m.floors] == [0.5, 0.5, 1.0, 1.0]
-    assert m.weights[3][C.DESCRIPTION] == pytest.approx(0.4)
-    assert m.provenance["mapped_from"] == "p.json" and m.provenance["mapped_from_n_layer"] == 18
-    ten = map_by_depth(src, 10)                        # boundaries 4, 9, 14 of 18 -> 2.2, 5, 7.8 of 10
-    assert ten.groups == [[0, 1], [2, 3, 4], [5, 6, 7], [8, 9]]
-    same = map_by_depth(src, 18)
-    assert same.groups == src.groups and same.floors == src.floors
-    small = map_by_depth(src, 2)                       # groups that vanish at this depth are dropped
-    assert small.groups == [[0], [1]]
-    assert [f[C.QUERY] for f in small.floors] == [0.5, 1.0]
-    Policy.from_json(small.to_json())                  # a valid policy file
-
-
-def test_nearest_calibrated_prefers_same_arch_then_depth():
-    pols = [calibrated(18, "gemma3", "a.json"), calibrated(26, "gemma3", "b.json"), calibrated(28, "qwen3", "c.json")]
-    assert nearest_calibrated(pols, "gemma3", 24).provenance["file"] == "b.json"
-    assert nearest_calibrated(pols, "gemma3", 10).provenance["file"] == "a.json"
-    assert nearest_calibrated(pols, "qwen3", 10).provenance["file"] == "c.json"
-    assert nearest_calibrated(pols, "llama", 20).provenance["file"] == "a.json"      # no llama: any arch
-    hand = Policy(groups=[[0, 1]], floors=[{}], weights=[{}], kind="hand-written")
-    assert nearest_calibrated([hand], "gemma3", 2) is None

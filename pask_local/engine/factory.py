@@ -18,7 +18,7 @@ from ..policy.shipped import resolve_default_policy
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
                 warn: Callable[[str], None] | None = None) -> Method:
     """``name`` in METHOD_NAMES; ``policy`` (PASK only): a Policy, a policy file, or None (the
-    model's default; ``warn`` receives the line saying when that is mapped or hand-written).
+    model's default; ``warn`` receives the line saying when that is the hand-written prior).
     ``pask-prior`` is PASK with the hand-written prior (``policy/handwritten.py``), for comparisons;
     ``pask-attn`` is PASK with the resolved policy's class shares, ranked by attention inside each
     class (its ``within_class_order`` set to ``attention``)."""
