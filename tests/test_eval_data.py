@@ -15,6 +15,7 @@ from pask_local.eval.data import (
     load_cases,
     load_file,
 )
+from pask_local.eval.split import split_of
 
 FN = {"name": "get_weather", "description": "Weather for a city.",
       "parameters": {"type": "dict", "properties": {"city": {"type": "string", "description": "City"},
@@ -98,3 +99,19 @@ def test_missing_answers_and_files(tmp_path):
         load_cases(None, p)
     with pytest.raises(DataError, match="not found"):
         load_cases(None, tmp_path / "missing.jsonl")
+
+
+def test_user_dataset_is_evaluated_whole_unless_a_split_is_given(tmp_path, cli):
+    # a user's own file: every case by default (the hashed eval split would silently drop ~25%)
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({**_entry(i), "ground_truth": [{"get_weather": {"city": ["Paris"]}}]})
+                              for i in range(23)))
+    whole = cli("eval", "--dataset", str(path), "--report-only", "--out", str(tmp_path / "a"))
+    assert whole.returncode == 0, whole.stderr
+    assert f"23 of 23 cases from {path}: every case (split all)" in whole.stderr
+    split = cli("eval", "--dataset", str(path), "--split", "eval", "--limit", "5", "--report-only",
+                "--out", str(tmp_path / "b"))
+    assert split.returncode == 0, split.stderr
+    n_eval = sum(1 for i in range(23) if split_of(f"mine_{i}") == "eval")
+    assert 5 < n_eval < 23     # the split really drops some of these ids, so the default matters
+    assert f"5 of 23 cases from {path}: the eval split (hashed case ids) keeps {n_eval}, --limit 5" in split.stderr

@@ -41,7 +41,10 @@ def eval_command(
     model: ModelOption = None,
     limit: Annotated[int | None, typer.Option(help="At most N cases per category (first N of the split).",
                                               show_default=False)] = None,
-    split: Annotated[str, typer.Option(help="Which split: eval (75%), calib (25%; by hashed case id) or all.")] = "eval",
+    split: Annotated[str | None, typer.Option(
+        help="Which split: eval (75%), calib (25%; by hashed case id) or all. Default: eval for the bundled "
+             "BFCL categories, all for --dataset (your own cases are evaluated whole).",
+        show_default=False)] = None,
     dataset: Annotated[Path | None, typer.Option(
         help="Your own cases in BFCL's format (JSONL or a JSON array), answers inline as 'ground_truth'.",
         show_default=False)] = None,
@@ -72,6 +75,8 @@ def eval_command(
     if not method_list:
         raise PaskError("no method given")
     budget_list = parse_budgets(budgets)
+    if split is None:
+        split = "all" if dataset is not None else "eval"
     check_split(split)
     check_prompt_style(prompt_style)
     if dataset is not None and not dataset.is_file():
@@ -86,7 +91,8 @@ def eval_command(
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style)
-    store, cases, runs = run_eval(cfg, Console(stderr=True))
+    console = Console(stderr=True)
+    store, cases, runs = run_eval(cfg, console)
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))
     typer.echo(f"results in {out}/ (cases.jsonl, summary.json, results.md, accuracy.png)")

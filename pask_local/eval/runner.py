@@ -78,8 +78,22 @@ def runs_of(methods: list[str], budgets: list[float]) -> list[tuple[str, float |
     return runs
 
 
-def select_cases(cfg: EvalConfig) -> list[Case]:
-    cases = select(load_cases(cfg.categories, cfg.dataset, cfg.answers), cfg.split)
+def selection_line(cfg: EvalConfig, n_loaded: int, n_split: int, n_kept: int) -> str:
+    """One line saying how many cases were selected and why (split and limit)."""
+    source = f"{cfg.dataset}" if cfg.dataset else "the bundled BFCL categories"
+    why = "every case (split all)" if cfg.split == "all" else f"the {cfg.split} split (hashed case ids)"
+    line = f"{n_kept} of {n_loaded} cases from {source}: {why}"
+    if cfg.split != "all":
+        line += f" keeps {n_split}"
+    if cfg.limit is not None and n_kept < n_split:
+        line += f", --limit {cfg.limit} per category keeps {n_kept}"
+    return line
+
+
+def select_cases(cfg: EvalConfig, report: Callable[[str], None] | None = None) -> list[Case]:
+    loaded = load_cases(cfg.categories, cfg.dataset, cfg.answers)
+    cases = select(loaded, cfg.split)
+    n_split = len(cases)
     if cfg.limit is not None:
         if cfg.limit < 1:
             raise PaskError(f"--limit must be at least 1, got {cfg.limit}")
@@ -92,6 +106,8 @@ def select_cases(cfg: EvalConfig) -> list[Case]:
         cases = kept
     if not cases:
         raise PaskError(f"no cases in the {cfg.split} split for this selection")
+    if report is not None:
+        report(selection_line(cfg, len(loaded), n_split, len(cases)))
     return cases
 
 
@@ -133,12 +149,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
              factory: GeneratorFactory = make_generator) -> tuple[ResultStore, list[Case], list[tuple[str, float | None]]]:
     """Generate and score every pending (case, method, budget); returns the store, cases and runs."""
     runs = runs_of(cfg.methods, cfg.budgets)
-    cases = select_cases(cfg)
+    console = console or Console(stderr=True)
+    cases = select_cases(cfg, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     store = ResultStore(cfg.out, manifest(cfg))
     pending = {run: [] if cfg.report_only else [c for c in cases if not store.done(c.id, run[0], run[1])]
                for run in runs}
     total = sum(len(v) for v in pending.values())
-    console = console or Console(stderr=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=total == 0) as progress:
