@@ -108,3 +108,21 @@ def test_pask_keeps_protected_classes(model, tmp_path):
                 assert pos in kept, (g, pos, cls)
                 n_checked += 1
     assert n_checked > 0
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o", "snapkv", "pask"])
+def test_engine_reads_what_a_method_needs_not_its_name(model, method, tmp_path):
+    """The same rule under another name evicts exactly the same positions at every step: the engine
+    takes keeps_all / attention_stat / plans_prompt / ... from the method, never from its name."""
+    request, parallel = EXAMPLES["get_weather.json"]
+    tools = read_tools(REPO / "examples" / "get_weather.json")
+    evictions = []
+    for name in (method, "renamed"):
+        m = make_method(method, model)
+        m.name = name
+        trace = tmp_path / f"{name}.jsonl"
+        res = Engine(model, m, EngineConfig(budget=0.33, max_tokens=24)).run(tools, request, trace=trace)
+        evictions.append((res.tokens, [(e["step"], e["layer"], e["positions"]) for e in map(json.loads, trace.read_text().splitlines())
+                                       if e["type"] == "evict"]))
+    assert evictions[0][1], "the budget must force evictions for this check to mean anything"
+    assert evictions[0] == evictions[1]

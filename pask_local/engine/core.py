@@ -4,17 +4,19 @@
 It plans the request (``chat.protocol``: the model's own tool-call protocol or the instruction
 prompt, tagged; the grammar for ``tool_choice``), sizes every layer's KV capacity with the method
 (PASK: the compiled policy; baselines: their own rule), creates a layered-cache context, and
-- PASK (structure known up front): decides per layer which prompt tokens persist *before* prefill,
-  prefills in chunks and evicts the others between chunks, so no layer ever holds more than its
-  capacity plus one chunk;
+- methods that plan the prompt (``plans_prompt``: PASK with a structural order): decide per layer
+  which prompt tokens persist *before* prefill, prefill in chunks and evict the others between
+  chunks, so no layer ever holds more than its capacity plus one chunk;
 - incremental baselines (StreamingLLM, H2O, TOVA): prefill in chunks, compressing a layer when it
   goes over its capacity, with attention statistics from the native probe where needed;
-- SnapKV / PyramidKV: prefill the whole prompt (their peak is full KV: reported as such), score it
+- ``compress_after_prefill`` (SnapKV, PyramidKV, pask-attn): prefill the whole prompt (their peak is full KV: reported as such), score it
   with the observation window, compress once;
 then decodes (``chat.decoder``: the fast grammar sampler, a lazy grammar for ``auto``, or free
 text), tags each new token, and evicts by the method's rule
 when a layer passes its budget (which grows with the sequence: budget x tokens so far).
-Every count reported (held entries, bytes) is read from the native cache, not from Python.
+Every count reported (held entries, bytes) is read from the native cache, not from Python. The
+engine reads what a method needs from its declared attributes (``methods.base.Method``), never
+from its name.
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ from ..classes import StructuralClass
 from ..errors import NativeError, PaskError
 from ..kv_layered import kv_total_bytes
 from ..llm import Context, ContextConfig, Model
-from ..methods import PASK, LayerView, Method
+from ..methods import LayerView, Method
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
-from ..policy import contiguous_groups
 from ..schema.tools import as_tools
 from ..tagging.prompt import Prompt
 from .trace import TraceWriter
@@ -138,13 +139,12 @@ class _Run:
         self.n_prompt = len(prompt.tokens)
         self.all_classes = list(class_indices(prompt.classes))
         self.caps = self.method.capacities(self.cfg.budget, np.asarray(self.all_classes), self.n_layer)
-        if not isinstance(self.method, PASK):
+        if self.method.scales_swa_capacity:
             # a sliding-window layer's full KV is min(N, W): its share of the budget scales with it
-            # (PASK's compile step already counts layers this way)
             self.caps = [max(1, math.ceil(c * self.full_size(il, self.n_prompt) / self.n_prompt))
                          for il, c in enumerate(self.caps)]
         self.ratio = [c / self.n_prompt for c in self.caps]
-        self.full = self.method.name == "full"
+        self.full = self.method.keeps_all
         self.needs_attn = self.method.needs_attention and not self.full
         self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
         max_len = self.n_prompt + self.cfg.max_tokens
@@ -160,9 +160,8 @@ class _Run:
                         for il in range(self.n_layer)]
             self.phys = [self._swa_cap(il, p) for il, p in enumerate(phys)]
             self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
-        # layer groups for reporting: the policy's for PASK, else 4 contiguous groups
-        self.group_list = (self.method.policy.groups if isinstance(self.method, PASK)
-                           else contiguous_groups(self.n_layer, 4))
+        # layer groups for reporting: the method's (PASK: its policy's groups)
+        self.group_list = self.method.report_groups(self.n_layer)
         self.layer_group = [0] * self.n_layer
         for g, layers in enumerate(self.group_list):
             for il in layers:
@@ -242,9 +241,7 @@ class _Run:
         toks = self.prompt.tokens
         n = self.n_prompt
         chunk = self.cfg.chunk
-        pask_keep = None
-        if isinstance(self.method, PASK) and not self.method.compress_after_prefill:
-            pask_keep = self._pask_prompt_plan()
+        planned = self._prompt_plan() if self.method.plans_prompt else None
         bounds = list(range(0, n, chunk)) + [n]
         if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
             # the observation window must lie in the last decoded chunk
@@ -259,11 +256,11 @@ class _Run:
             if self.full:
                 continue
             if self.method.needs_attention and not self.method.compress_after_prefill:
-                self.collect_scores(LAST if self.method.name == "tova" else SUM)
-            if pask_keep is not None:
+                self.collect_scores(self._incremental_stat())
+            if planned is not None:
                 for il in range(self.n_layer):
                     arrived = np.arange(a, b)
-                    drop = arrived[~pask_keep[il][a:b]]
+                    drop = arrived[~planned[il][a:b]]
                     if len(drop):
                         self.ctx.evict(il, drop.tolist())
                         self._log_evict(il, drop, -1, "policy")
@@ -278,7 +275,10 @@ class _Run:
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
 
-    def _pask_prompt_plan(self) -> list[np.ndarray]:
+    def _incremental_stat(self) -> int:
+        return LAST if self.method.attention_stat == "last" else SUM
+
+    def _prompt_plan(self) -> list[np.ndarray]:
         """Per layer: a boolean mask over prompt positions that persist (decided before prefill)."""
         plan = []
         positions = np.arange(self.n_prompt)
@@ -332,8 +332,8 @@ class _Run:
                 raise NativeError(f"llama_decode failed at position {pos} (a layer ran out of cells)")
             self.n_seq = pos + 1
             if not self.full:
-                if self.method.needs_attention and self.method.name in ("h2o", "tova"):
-                    self.collect_scores(LAST if self.method.name == "tova" else SUM)
+                if self.needs_attn and not self.method.compress_after_prefill:
+                    self.collect_scores(self._incremental_stat())
                 for il in range(self.n_layer):
                     self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
                 self.evict_swa_window(pos, step)
@@ -416,9 +416,7 @@ class _Run:
     def _trace_header(self, grammar, request: str) -> None:
         if not self.trace.enabled:
             return
-        policy = None
-        if isinstance(self.method, PASK):
-            policy = self.method.policy.to_json()
+        policy = self.method.policy_json()
         self.trace.write("header", version=1, model=self.model.path.name, n_layer=self.n_layer,
                          groups=self.groups(), method=self.method.name,
                          budget=None if self.full else self.cfg.budget,  # null: full KV has no budget

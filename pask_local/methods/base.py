@@ -3,7 +3,9 @@
 The engine owns the cache and the bookkeeping; a method only answers two questions for one layer:
 which of the held positions to keep when the layer must shrink to ``capacity`` (``select``), and
 what each layer's capacity is for a given budget (``capacities``). Positions are token positions;
-``LayerView`` carries everything a rule may look at.
+``LayerView`` carries everything a rule may look at. What a method needs from the engine it declares
+in class attributes (``keeps_all``, ``needs_attention``, ``attention_stat``, ``compress_after_prefill``,
+``plans_prompt``, ``scales_swa_capacity``), so the engine never branches on a method's name.
 """
 
 from __future__ import annotations
@@ -29,8 +31,22 @@ class Method:
     """Base class: a uniform capacity of ``budget`` x visible tokens in every layer."""
 
     name = "base"
+    keeps_all = False                # True: nothing is ever evicted (the upstream cache, Full KV)
     needs_attention = False          # True: the engine must collect attention statistics
+    attention_stat = "sum"           # incremental statistic: "sum" (accumulated) or "last" (newest query)
     compress_after_prefill = False   # True: the prompt is prefilled whole, then compressed once
+    plans_prompt = False             # True: select() on the whole prompt before prefill (no scores needed)
+    scales_swa_capacity = True       # True: the engine scales a sliding-window layer's capacity by its window
+
+    def report_groups(self, n_layer: int) -> list[list[int]]:
+        """Layer groups that stats, traces and the TUI report by: 4 contiguous groups."""
+        from ..policy import contiguous_groups
+
+        return contiguous_groups(n_layer, 4)
+
+    def policy_json(self) -> dict | None:
+        """The policy this method runs, for the trace header (None: a fixed rule)."""
+        return None
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         """KV cells each layer may hold for a sequence whose tokens have these classes."""

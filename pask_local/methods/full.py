@@ -9,6 +9,7 @@ from .base import LayerView, Method
 
 class FullKV(Method):
     name = "full"
+    keeps_all = True
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         return [len(classes)] * n_layer

@@ -32,6 +32,7 @@ _RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> pr
 
 class PASK(Method):
     name = "pask"
+    scales_swa_capacity = False  # the compile step already counts sliding-window layers by their window
 
     def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
                  recent: int = 32) -> None:
@@ -44,6 +45,7 @@ class PASK(Method):
         # ranking inside a class by attention needs the engine's observation-window statistic
         self.needs_attention = policy.within_class_order == "attention"
         self.compress_after_prefill = self.needs_attention
+        self.plans_prompt = not self.needs_attention  # a structural order: decided before prefill
         self.kernel = 7  # score pooling, as SnapKV
 
     def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
@@ -51,6 +53,12 @@ class PASK(Method):
         self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
                                        self.swa_layers, self.window)
         return self.compiled
+
+    def report_groups(self, n_layer: int) -> list[list[int]]:
+        return self.policy.groups
+
+    def policy_json(self) -> dict:
+        return self.policy.to_json()
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         self.policy.check_model(n_layer)

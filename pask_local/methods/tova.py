@@ -14,6 +14,7 @@ from .base import LayerView, Method, top_k_positions
 class TOVA(Method):
     name = "tova"
     needs_attention = True
+    attention_stat = "last"
 
     def select(self, view: LayerView, capacity: int) -> np.ndarray:
         if len(view.positions) <= capacity:
