@@ -35,7 +35,7 @@ import numpy as np
 
 from ..attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from ..chat.decoder import Decoder
-from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice, user_message
+from ..chat.messages import Message, MessageError, ToolChoice, parse_messages, parse_tool_choice, user_message
 from ..chat.protocol import Plan, plan
 from ..chat.result import AssistantMessage
 from ..classes import StructuralClass
@@ -133,13 +133,18 @@ class Engine:
         """Validate, render, tag and size one request without touching a llama context.
 
         Every problem with the input is a ``PaskError`` raised here (before any KV is allocated);
-        a prompt that does not fit is a ``ContextLengthError``.
+        a prompt that does not fit is a ``ContextLengthError``. Without tools the reply is text
+        (``tool_choice`` auto becomes none; required or a named function is an error).
         """
-        specs = as_tools(tools)
+        specs = as_tools(tools) if tools else []
         msgs = [m for m in messages if isinstance(m, Message)]
         if len(msgs) != len(messages):
             msgs = parse_messages(messages)
         choice = parse_tool_choice(tool_choice, [t.name for t in specs])
+        if not specs:  # no tools: the reply is text
+            if choice.calls:
+                raise MessageError(f"tool_choice '{choice.name or choice.mode}' needs tools, and none were given")
+            choice = ToolChoice("none")
         p = plan(self.model, specs, msgs, choice, parallel=parallel, style=self.cfg.style, examples=examples,
                  max_string=self.cfg.max_string, max_calls=self.cfg.max_calls)
         request = next((m.content or "" for m in reversed(msgs) if m.role in ("user", "tool")), "")
