@@ -269,7 +269,7 @@ class Server:
     async def models(self, request: Request) -> Response:
         return JSONResponse(models_body(self.cfg.model_id, self.created))
 
-    async def model(self, request: Request) -> Response:
+    async def model_info(self, request: Request) -> Response:
         name = request.path_params["name"]
         if name != self.cfg.model_id:
             return error_response(APIError(404, f"the model '{name}' does not exist", param="model",
@@ -326,7 +326,7 @@ def create_app(server: Server) -> Starlette:
     routes = [
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{name:path}", server.model, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
