@@ -1,11 +1,13 @@
 """`pask-local serve`: load one model and answer OpenAI chat-completion requests over HTTP.
 
 The options are checked, and the address bound, before the model loads, so a bad flag or a busy
-port is a one-line ``error: ...`` without a traceback. The socket is handed to uvicorn as is.
+port is a one-line ``error: ...`` without a traceback. The socket is handed to uvicorn as is;
+SIGINT or SIGTERM shuts down gracefully (running requests are cancelled) with exit status 0.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from typing import Annotated
@@ -99,8 +101,17 @@ def serve_command(
     print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {slots} slot(s), "
           f"queue {queue}) on http://{host}:{bound[1]}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end with exit 0
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
         server.close()
         sock.close()
+    print("pask-local serve: stopped", file=sys.stderr)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
