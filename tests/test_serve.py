@@ -70,7 +70,8 @@ def server(qwen05_path) -> Iterator[str]:
     old = os.environ.get("PASK_THREADS")
     os.environ["PASK_THREADS"] = old or "1"  # the test machine runs other jobs: one thread per llama context
     model = Model(qwen05_path)
-    srv = Server(model, ServerConfig(MODEL_ID, Defaults(max_tokens=64), slots=SLOTS, queue_size=QUEUE))
+    srv = Server(model, ServerConfig(MODEL_ID, Defaults(max_tokens=64), slots=SLOTS, queue_size=QUEUE,
+                                     max_context=2048))
     sock = _free_socket()
     userver = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
     thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -332,6 +333,8 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "user", "content": "hello " * 34000}]}, openai.BadRequestError, 400,
      "context_length_exceeded", "exceed"),
     ({"n": 2}, openai.BadRequestError, 400, None, "n=1"),
+    ({"stream": True, "max_tokens": 10 ** 6}, openai.BadRequestError, 400, "context_length_exceeded", "exceed"),
+    ({"max_tokens": 2000}, openai.BadRequestError, 400, "context_length_exceeded", "context limit (2048)"),
     ({"extra_body": {"frobnicate": True}}, openai.BadRequestError, 400, None, "unrecognized request argument"),
 ]
 
@@ -497,6 +500,7 @@ def _serve(*args: str, **kw: Any) -> subprocess.Popen:
     (["--slots", "0"], "--slots must be >= 1"),
     (["--queue", "-1"], "--queue must be >= 0"),
     (["--port", "70000"], "--port must be in 0..65535"),
+    (["--max-context", "-5"], "--max-context must be >= 0"),
     (["--gguf", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
 ])
 def test_serve_bad_options_are_one_line_errors(args, needle) -> None:

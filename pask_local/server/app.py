@@ -63,6 +63,7 @@ class ServerConfig:
     defaults: Defaults = field(default_factory=Defaults)
     slots: int = 1
     queue_size: int = 8
+    max_context: int = 0              # prompt + max_tokens per request; 0: the model's trained context
     max_body_bytes: int = 16 << 20
 
 
@@ -138,6 +139,11 @@ class Server:
                            code="context_length_exceeded") from None
         except PaskError as exc:
             raise bad_request(str(exc)) from None
+        limit = self.cfg.max_context
+        if limit and prepared.n_prompt + req.max_tokens > limit:
+            raise APIError(400, f"prompt ({prepared.n_prompt} tokens) + max_tokens ({req.max_tokens}) exceed this "
+                           f"server's context limit ({limit}); shorten the messages or lower max_tokens",
+                           param="messages", code="context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -306,8 +312,7 @@ def error_response(exc: APIError) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind),
+    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
                         status_code=exc.status_code)
 
 

@@ -50,6 +50,8 @@ def serve_command(
                                        "429.")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit when a request sets "
                                             "none.")] = 256,
+    max_context: Annotated[int, typer.Option("--max-context", help="Most tokens (prompt + max_tokens) one "
+                                             "request may use; 0: the model's trained context.")] = 0,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
     model_id: Annotated[str | None, typer.Option("--model-id", help="The model name clients send. Default: "
@@ -75,6 +77,8 @@ def serve_command(
         raise PaskError(f"--queue must be >= 0, got {queue}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if max_context < 0:
+        raise PaskError(f"--max-context must be >= 0, got {max_context}")
     if not 0 <= port <= 65535:
         raise PaskError(f"--port must be in 0..65535, got {port}")
     if log_level not in LOG_LEVELS:
@@ -94,7 +98,7 @@ def serve_command(
     sock = _listen(host, port)
     loaded = Model(path)
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
-                                         slots=slots, queue_size=queue))
+                                         slots=slots, queue_size=queue, max_context=max_context))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
