@@ -287,6 +287,16 @@ def test_client_disconnect_frees_its_slot(server, client) -> None:
     _served(client)
 
 
+def test_non_streaming_client_that_gives_up_frees_its_slot(server) -> None:
+    _wait_idle(server)
+    cancelled = _metric(server, "pask_requests_finished_total", '{reason="cancelled"}')
+    impatient = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model=MODEL_ID, messages=LONG_TEXT, max_tokens=400)
+    _wait_idle(server, timeout=20)
+    assert _metric(server, "pask_requests_finished_total", '{reason="cancelled"}') == cancelled + 1
+
+
 def test_full_queue_is_429_and_the_server_recovers(server, client) -> None:
     _wait_idle(server)
     streams = []
