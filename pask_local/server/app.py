@@ -148,7 +148,10 @@ class Server:
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def push(item: tuple[str, Any]) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
 
         try:
             job = self.scheduler.submit(lambda job: self._work(job, engine, prepared, arrival,
