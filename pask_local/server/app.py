@@ -12,6 +12,7 @@ its slot. Errors are OpenAI's error object with the matching status; a bad reque
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -309,18 +310,25 @@ class JobStream(StreamingResponse):
             self.job.cancel()
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote input holding a lone surrogate."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _AsciiJSON(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
+    return _AsciiJSON(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
                         status_code=exc.status_code)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+    return _AsciiJSON(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
 
 
 def create_app(server: Server) -> Starlette:
