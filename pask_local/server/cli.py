@@ -86,11 +86,15 @@ def serve_command(
     if model_id is not None and not model_id.strip():
         raise PaskError("--model-id must not be empty")
 
-    import uvicorn
+    try:
+        import uvicorn
 
+        from .app import Server, ServerConfig, create_app
+    except ImportError as exc:
+        raise PaskError(f"pask-local serve needs the 'serve' extra (starlette, uvicorn, prometheus-client): "
+                        f"pip install 'pask-local[serve]' ({exc})") from None
     from ..llm import Model
     from ..models import resolve_model
-    from .app import Server, ServerConfig, create_app
     from .openai_io import Defaults
 
     path = resolve_model(gguf, model)
