@@ -205,6 +205,7 @@ def test_stream_tool_call_deltas(client) -> None:
     assert len([c for c in chunks if c.choices and c.choices[0].delta.tool_calls]) > 2  # streamed in pieces
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0   # the usage chunk comes last
+    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-2].model_extra["pask"]["method"] == "pask"
     assert all(c.usage is None for c in chunks[:-1])
 
 

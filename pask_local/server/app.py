@@ -48,6 +48,7 @@ from .openai_io import (
     now,
     parse_chat_request,
     parse_json_body,
+    pask_stats,
     usage,
     usage_chunk,
 )
@@ -271,7 +272,9 @@ class Server:
             return
         if not role_sent:
             yield chunk({"content": ""})
-        yield sse(chunk_body(cid, created, req.model, {}, finish_reason(result), req.include_usage))
+        last = chunk_body(cid, created, req.model, {}, finish_reason(result), req.include_usage)
+        last["pask"] = pask_stats(result.stats)  # the extension, as in a non-streamed response
+        yield sse(last)
         if req.include_usage:
             yield sse(usage_chunk(cid, created, req.model, usage(result.stats["n_prompt"], result.stats["n_gen"])))
         yield SSE_DONE
