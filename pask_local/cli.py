@@ -121,12 +121,14 @@ def _register_optional_commands() -> None:
     from .calibration.cli import calibrate_command
     from .eval.cli import eval_command
     from .run_cli import run_command
+    from .server.cli import serve_command
     from .tui.cli import tui_command
 
     app.command("run")(run_command)
     app.command("eval")(eval_command)
     app.command("calibrate")(calibrate_command)
     app.command("tui")(tui_command)
+    app.command("serve")(serve_command)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,3 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+
+
+if __name__ == "__main__":  # python -m pask_local.cli
+    main()

@@ -19,3 +19,7 @@ class NativeError(PaskError):
 
 class SchemaError(PaskError):
     """A tool definition / JSON schema is invalid or uses an unsupported feature."""
+
+
+class ContextLengthError(PaskError):
+    """A request's prompt plus its generation limit does not fit the context."""

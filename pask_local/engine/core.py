@@ -9,20 +9,26 @@ prompt, tagged; the grammar for ``tool_choice``), sizes every layer's KV capacit
   chunks, so no layer ever holds more than its capacity plus one chunk;
 - incremental baselines (StreamingLLM, H2O, TOVA): prefill in chunks, compressing a layer when it
   goes over its capacity, with attention statistics from the native probe where needed;
-- ``compress_after_prefill`` (SnapKV, PyramidKV, pask-attn): prefill the whole prompt (their peak is full KV: reported as such), score it
-  with the observation window, compress once;
+- ``compress_after_prefill`` (SnapKV, PyramidKV, pask-attn): prefill the whole prompt (their peak
+  is full KV: reported as such), score it with the observation window, compress once;
 then decodes (``chat.decoder``: the fast grammar sampler, a lazy grammar for ``auto``, or free
 text), tags each new token, and evicts by the method's rule
 when a layer passes its budget (which grows with the sequence: budget x tokens so far).
 Every count reported (held entries, bytes) is read from the native cache, not from Python. The
 engine reads what a method needs from its declared attributes (``methods.base.Method``), never
 from its name.
+
+``Engine.prepare`` does the planning and sizing (every input error is raised there, before any KV
+is allocated; a prompt that does not fit is a ``ContextLengthError``), ``Engine.execute`` runs a
+prepared request; its ``on_token`` hook sees each generated token and can stop the loop
+(streaming, a client that went away). ``Engine.chat`` is both in one call.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +37,11 @@ import numpy as np
 
 from ..attention import LAST, SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
 from ..chat.decoder import Decoder
-from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice, user_message
+from ..chat.messages import Message, MessageError, ToolChoice, parse_messages, parse_tool_choice, user_message
 from ..chat.protocol import Plan, plan
 from ..chat.result import AssistantMessage
 from ..classes import StructuralClass
-from ..errors import NativeError, PaskError
+from ..errors import ContextLengthError, NativeError, PaskError
 from ..kv_layered import kv_total_bytes
 from ..llm import Context, ContextConfig, Model
 from ..methods import LayerView, Method
@@ -76,6 +82,23 @@ class EngineResult:
         return self.error is None
 
 
+TokenHook = Callable[[int], bool | None]
+"""Called with each generated token id; returning True stops the decode loop (``Engine.execute``)."""
+
+
+@dataclass
+class Prepared:
+    """A request planned and sized (``Engine.prepare``), ready for ``Engine.execute``."""
+
+    plan: Plan
+    request: str          # the last user/tool text (traces)
+    n_ctx: int            # the context the run allocates
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.plan.prompt.tokens)
+
+
 class Engine:
     """Runs requests on one model with one KV-persistence method."""
 
@@ -95,32 +118,59 @@ class Engine:
 
     def chat(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
              tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
-             examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None) -> EngineResult:
+             examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None,
+             on_token: TokenHook | None = None) -> EngineResult:
         """Answer an OpenAI-style conversation (``Message``s or their JSON) with ``tools``.
 
         ``tool_choice``: auto | required | none | ``{"type": "function", "function": {"name": ...}}``;
         ``parallel``: the reply may hold several calls. ``EngineResult.message`` is the reply.
+        ``on_token``: see ``execute``. Equal to ``execute(prepare(...))``.
         """
-        specs = as_tools(tools)
+        return self.execute(self.prepare(messages, tools, tool_choice, parallel, examples), trace, on_token)
+
+    def prepare(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
+                tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
+                examples: list[tuple[str, str]] | None = None) -> Prepared:
+        """Validate, render, tag and size one request without touching a llama context.
+
+        Every problem with the input is a ``PaskError`` raised here (before any KV is allocated);
+        a prompt that does not fit is a ``ContextLengthError``. Without tools the reply is text
+        (``tool_choice`` auto becomes none; required or a named function is an error).
+        """
+        specs = as_tools(tools) if tools else []
         msgs = [m for m in messages if isinstance(m, Message)]
         if len(msgs) != len(messages):
             msgs = parse_messages(messages)
         choice = parse_tool_choice(tool_choice, [t.name for t in specs])
+        if not specs:  # no tools: the reply is text
+            if choice.calls:
+                raise MessageError(f"tool_choice '{choice.name or choice.mode}' needs tools, and none were given")
+            choice = ToolChoice("none")
         p = plan(self.model, specs, msgs, choice, parallel=parallel, style=self.cfg.style, examples=examples,
                  max_string=self.cfg.max_string, max_calls=self.cfg.max_calls)
-        prompt = p.prompt
         request = next((m.content or "" for m in reversed(msgs) if m.role in ("user", "tool")), "")
-        n_prompt = len(prompt.tokens)
+        n_prompt = len(p.prompt.tokens)
         n_ctx = self.cfg.n_ctx or (n_prompt + self.cfg.max_tokens + 1)
         if n_prompt + self.cfg.max_tokens > n_ctx:
-            raise PaskError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the "
-                            f"context size {n_ctx}")
+            raise ContextLengthError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the "
+                                     f"context size {n_ctx}")
         if n_prompt + self.cfg.max_tokens > self.model.n_ctx_train:
-            raise PaskError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the model's "
-                            f"trained context ({self.model.n_ctx_train})")
-        run = _Run(self, prompt, n_ctx, TraceWriter(trace))
+            raise ContextLengthError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the "
+                                     f"model's trained context ({self.model.n_ctx_train})")
+        return Prepared(p, request, n_ctx)
+
+    def execute(self, prepared: Prepared, trace: str | Path | None = None,
+                on_token: TokenHook | None = None) -> EngineResult:
+        """Prefill and decode a prepared request in a fresh layered-cache context.
+
+        ``on_token(token_id)`` is called for every generated token once the decoder has accepted
+        it (end-of-generation tokens excluded), on the thread running the request. A true return
+        stops decoding at once: the result then has ``finish == "cancelled"`` and holds the tokens
+        so far. It is the hook for streaming and for cancelling (a client that went away).
+        """
+        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace))
         try:
-            return run.execute(p, request)
+            return run.execute(prepared.plan, prepared.request, on_token)
         finally:
             run.close()
 
@@ -293,7 +343,7 @@ class _Run:
         return plan
 
     # ------------------------------------------------------------ the run
-    def execute(self, plan: Plan, request: str) -> EngineResult:
+    def execute(self, plan: Plan, request: str, on_token: TokenHook | None = None) -> EngineResult:
         model = self.model
         t0 = time.perf_counter()
         self._trace_header(plan.grammar, request)
@@ -322,6 +372,9 @@ class _Run:
             if self.trace.enabled:
                 self.trace.write("token", pos=pos, id=tok, text=model.piece(tok).decode("utf-8", "replace"),
                                  cls=cls.value, phase="gen")
+            if on_token is not None and on_token(tok):
+                finish = "cancelled"
+                break
             if sampler.done:
                 finish = "grammar"
                 break

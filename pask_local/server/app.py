@@ -1,0 +1,353 @@
+"""The HTTP routes (Starlette): chat completions, models, health, metrics.
+
+``Server`` holds what every request shares: the model (loaded once), the scheduler and the
+metrics. ``POST /v1/chat/completions`` validates the body (``openai_io``), plans and sizes the
+request on a thread (``Engine.prepare``: a prompt that does not fit is a 400 before any KV is
+allocated), then asks the scheduler for a place (429 when the queue is full) and runs
+``Engine.execute`` on a slot. Its ``on_token`` hook feeds the stream and returns the job's
+cancellation flag, so a client that disconnects (stream or not) stops the decode loop and frees
+its slot. Errors are OpenAI's error object with the matching status; a bad request is never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from ..engine import Engine, EngineConfig, EngineResult, make_method
+from ..engine.core import Prepared
+from ..errors import ContextLengthError, PaskError
+from ..llm import Model
+from ..methods import Method
+from ..policy import Policy
+from ..policy.shipped import resolve_default_policy
+from .metrics import Metrics
+from .openai_io import (
+    APIError,
+    ChatRequest,
+    Defaults,
+    bad_request,
+    chunk_body,
+    completion_body,
+    completion_id,
+    error_body,
+    models_body,
+    now,
+    parse_chat_request,
+    parse_json_body,
+    pask_stats,
+    usage,
+    usage_chunk,
+)
+from .scheduler import Cancelled, Job, QueueFull, Scheduler
+from .streaming import SSE_DONE, SSE_KEEPALIVE, ReplyStreamer, sse
+
+KEEPALIVE_S = 5.0        # an SSE comment while a stream waits for its slot
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+@dataclass
+class ServerConfig:
+    model_id: str
+    defaults: Defaults = field(default_factory=Defaults)
+    slots: int = 1
+    queue_size: int = 8
+    max_context: int = 0              # prompt + max_tokens per request; 0: the model's trained context
+    max_body_bytes: int = 16 << 20
+
+
+def finish_reason(result: EngineResult) -> str:
+    if result.message.tool_calls:
+        return "tool_calls"
+    return "length" if result.finish == "length" else "stop"
+
+
+def model_failure(result: EngineResult) -> APIError | None:
+    """A reply the model got wrong (not a length cut-off): a server error, never the client's fault."""
+    if result.error is None or result.finish == "length":
+        return None
+    return APIError(500, f"the model's output is not a valid call: {result.error}", type="server_error",
+                    code="invalid_model_output")
+
+
+class Server:
+    """The loaded model, the scheduler and the metrics shared by all requests."""
+
+    def __init__(self, model: Model, config: ServerConfig) -> None:
+        self.model = model
+        self.cfg = config
+        self.created = now()
+        self.scheduler = Scheduler(config.slots, config.queue_size)
+        self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, config.slots,
+                               config.queue_size)
+        self._policy: Policy | None = None
+        self.warnings: list[str] = []
+        self.method(config.defaults.method)  # the default method must build: a bad policy fails at start-up
+
+    # ------------------------------------------------------------ engine
+    def method(self, name: str) -> Method:
+        """A fresh method object per request (methods keep per-run state); PASK's policy resolved once."""
+        if name in ("pask", "pask-attn"):
+            if self._policy is None:
+                self._policy, warning = resolve_default_policy(self.model)
+                if warning:
+                    self.warnings.append(warning)
+            return make_method(name, self.model, self._policy)
+        return make_method(name, self.model)
+
+    def engine(self, req: ChatRequest) -> Engine:
+        try:
+            return Engine(self.model, self.method(req.method), EngineConfig(budget=req.budget,
+                                                                            max_tokens=req.max_tokens))
+        except PaskError as exc:
+            raise bad_request(str(exc), "pask") from None
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    # ------------------------------------------------------------ routes
+    async def chat(self, request: Request) -> Response:
+        arrival = time.perf_counter()
+        try:
+            response = await self._chat(request, arrival)
+        except APIError as exc:
+            self.metrics.request(exc.status)
+            return error_response(exc)
+        self.metrics.request(response.status_code)
+        return response
+
+    async def _chat(self, request: Request, arrival: float) -> Response:
+        body = parse_json_body(await self._read_body(request))
+        req = parse_chat_request(body, self.cfg.model_id, self.cfg.defaults)
+        engine = self.engine(req)
+        try:
+            prepared = await run_in_threadpool(engine.prepare, req.messages, req.tools, req.tool_choice,
+                                               req.parallel)
+        except ContextLengthError as exc:
+            raise APIError(400, f"{exc}; shorten the messages or lower max_tokens", param="messages",
+                           code="context_length_exceeded") from None
+        except PaskError as exc:
+            raise bad_request(str(exc)) from None
+        limit = self.cfg.max_context
+        if limit and prepared.n_prompt + req.max_tokens > limit:
+            raise APIError(400, f"prompt ({prepared.n_prompt} tokens) + max_tokens ({req.max_tokens}) exceed this "
+                           f"server's context limit ({limit}); shorten the messages or lower max_tokens",
+                           param="messages", code="context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def push(item: tuple[str, Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
+                pass
+
+        try:
+            job = self.scheduler.submit(lambda job: self._work(job, engine, prepared, arrival,
+                                                               push if req.stream else None))
+        except QueueFull as exc:
+            raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": "1"}) from None
+        job.future.add_done_callback(lambda _f: push(("done", None)))
+        if req.stream:
+            return JobStream(job, self._stream(job, req, prepared, events))
+        return await self._complete(request, job, req)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"the request body is larger than {limit >> 20} MiB", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit >> 20} MiB", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _work(self, job: Job, engine: Engine, prepared: Prepared, arrival: float, push: Any) -> EngineResult:
+        """Runs on a slot thread: the engine, with the hook that streams and cancels."""
+        first = last = 0.0
+        n = 0
+
+        def on_token(token: int) -> bool:
+            nonlocal first, last, n
+            last = time.perf_counter()
+            first = first or last
+            n += 1
+            if push is not None:
+                push(("token", self.model.piece(token)))
+            return job.cancelled
+
+        try:
+            result = engine.execute(prepared, on_token=on_token)
+        except BaseException:
+            self.metrics.finish("error", None, None, None, time.perf_counter() - arrival)
+            raise
+        reason = "cancelled" if result.finish == "cancelled" else (
+            "error" if model_failure(result) else finish_reason(result))
+        self.metrics.finish(reason, result.stats, first - arrival if n else None,
+                            (last - first) / (n - 1) if n > 1 else None, (last or time.perf_counter()) - arrival)
+        return result
+
+    async def _complete(self, request: Request, job: Job, req: ChatRequest) -> Response:
+        fut = asyncio.wrap_future(job.future)
+        while not fut.done():
+            await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+            if not fut.done() and await request.is_disconnected():
+                job.cancel()
+                return Response(status_code=499)  # nobody is listening
+        try:
+            result: EngineResult = fut.result()
+        except Cancelled:
+            raise APIError(503, "the request was cancelled (the server is shutting down)", type="server_error",
+                           code="cancelled") from None
+        except PaskError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        failure = model_failure(result)
+        if failure is not None:
+            raise failure
+        s = result.stats
+        body = completion_body(completion_id(), now(), req.model, result.message.to_openai(), finish_reason(result),
+                               usage(s["n_prompt"], s["n_gen"]), s)
+        return JSONResponse(body)
+
+    async def _stream(self, job: Job, req: ChatRequest, prepared: Prepared,
+                      events: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[str]:
+        plan = prepared.plan
+        streamer = ReplyStreamer(plan.grammar is not None, plan.fmt.trigger if plan.fmt else None,
+                                 plan.fmt.close if plan.fmt else None)
+        cid, created = completion_id(), now()
+        role_sent = False
+
+        def chunk(delta: dict[str, Any]) -> str:
+            nonlocal role_sent
+            if not role_sent:
+                delta = {"role": "assistant", **({"content": None} if "tool_calls" in delta else {}), **delta}
+                role_sent = True
+            return sse(chunk_body(cid, created, req.model, delta, None, req.include_usage))
+
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+            except TimeoutError:
+                yield SSE_KEEPALIVE
+                continue
+            if kind == "done":
+                break
+            for delta in streamer.feed_bytes(value):
+                yield chunk(delta)
+        try:
+            result: EngineResult = job.future.result()
+        except Cancelled:
+            yield sse(error_body("the request was cancelled (the server is shutting down)", "server_error",
+                                 code="cancelled"))
+            yield SSE_DONE
+            return
+        except Exception as exc:  # an engine failure mid-stream: the status line has gone out already
+            yield sse(error_body(str(exc) or type(exc).__name__, "server_error"))
+            yield SSE_DONE
+            return
+        for delta in streamer.finish():
+            yield chunk(delta)
+        failure = model_failure(result)
+        if failure is not None:
+            yield sse(failure.body())
+            yield SSE_DONE
+            return
+        if not role_sent:
+            yield chunk({"content": ""})
+        last = chunk_body(cid, created, req.model, {}, finish_reason(result), req.include_usage)
+        last["pask"] = pask_stats(result.stats)  # the extension, as in a non-streamed response
+        yield sse(last)
+        if req.include_usage:
+            yield sse(usage_chunk(cid, created, req.model, usage(result.stats["n_prompt"], result.stats["n_gen"])))
+        yield SSE_DONE
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(models_body(self.cfg.model_id, self.created))
+
+    async def model_info(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != self.cfg.model_id:
+            return error_response(APIError(404, f"the model '{name}' does not exist", param="model",
+                                           code="model_not_found"))
+        return JSONResponse(models_body(self.cfg.model_id, self.created)["data"][0])
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.cfg.model_id, "slots": self.scheduler.slots,
+                             "busy": self.scheduler.busy, "waiting": self.scheduler.waiting,
+                             "queue_capacity": self.scheduler.queue_size})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends (done, error, client gone)."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+class _AsciiJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote input holding a lone surrogate."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return _AsciiJSON(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return _AsciiJSON(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
+                        status_code=exc.status_code)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return _AsciiJSON(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+
+def create_app(server: Server) -> Starlette:
+    """The ASGI app for ``server``; its scheduler is closed when the app shuts down."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        server.close()
+
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_info, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})

@@ -1,0 +1,125 @@
+"""`pask-local serve`: load one model and answer OpenAI chat-completion requests over HTTP.
+
+The options are checked, and the address bound, before the model loads, so a bad flag or a busy
+port is a one-line ``error: ...`` without a traceback. The socket is handed to uvicorn as is;
+SIGINT or SIGTERM shuts down gracefully (running requests are cancelled) with exit status 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from typing import Annotated
+
+import typer
+
+from ..cli_options import ModelOption
+from ..errors import PaskError
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PaskError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise PaskError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve_command(
+    gguf: Annotated[str | None, typer.Option("--gguf", help="GGUF model: path or hf://owner/repo/file.gguf. "
+                                             "Default: the named model gemma3-270m.", show_default=False)] = None,
+    model: ModelOption = None,
+    method: Annotated[str, typer.Option("--method", help="Default KV persistence method (a request may "
+                                        "override it with \"pask\": {\"method\": ...}).")] = "pask",
+    budget: Annotated[float, typer.Option("--budget", help="Default fraction of full-KV entries kept, "
+                                          "in (0, 1].")] = 0.33,
+    slots: Annotated[int, typer.Option("--slots", help="Requests run at once (each its own llama context).")] = 1,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot; beyond that: "
+                                       "429.")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit when a request sets "
+                                            "none.")] = 256,
+    max_context: Annotated[int, typer.Option("--max-context", help="Most tokens (prompt + max_tokens) one "
+                                             "request may use; 0: the model's trained context.")] = 0,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
+    model_id: Annotated[str | None, typer.Option("--model-id", help="The model name clients send. Default: "
+                                                 "the --model name, or the GGUF file's stem.",
+                                                 show_default=False)] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "info",
+) -> None:
+    """Serve an OpenAI-compatible /v1/chat/completions endpoint (tools, streaming) for one model.
+
+    Example: pask-local serve --model qwen2.5-coder-0.5b --port 8000
+    Then: POST http://127.0.0.1:8000/v1/chat/completions (docs/server.md).
+    """
+    from ..methods import METHOD_NAMES
+    from ..model_registry import DEFAULT_MODEL
+
+    if method not in METHOD_NAMES:
+        raise PaskError(f"unknown method '{method}' (choose from {', '.join(METHOD_NAMES)})")
+    if not 0.0 < budget <= 1.0:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if slots < 1:
+        raise PaskError(f"--slots must be >= 1, got {slots}")
+    if queue < 0:
+        raise PaskError(f"--queue must be >= 0, got {queue}")
+    if max_tokens < 1:
+        raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if max_context < 0:
+        raise PaskError(f"--max-context must be >= 0, got {max_context}")
+    if not 0 <= port <= 65535:
+        raise PaskError(f"--port must be in 0..65535, got {port}")
+    if log_level not in LOG_LEVELS:
+        raise PaskError(f"unknown --log-level '{log_level}' ({', '.join(LOG_LEVELS)})")
+    if model_id is not None and not model_id.strip():
+        raise PaskError("--model-id must not be empty")
+
+    try:
+        import uvicorn
+
+        from .app import Server, ServerConfig, create_app
+    except ImportError as exc:
+        raise PaskError(f"pask-local serve needs the 'serve' extra (starlette, uvicorn, prometheus-client): "
+                        f"pip install 'pask-local[serve]' ({exc})") from None
+    from ..llm import Model
+    from ..models import resolve_model
+    from .openai_io import Defaults
+
+    path = resolve_model(gguf, model)
+    name = model_id or model or (path.stem if gguf else DEFAULT_MODEL)
+    sock = _listen(host, port)
+    loaded = Model(path)
+    server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
+                                         slots=slots, queue_size=queue, max_context=max_context))
+    for warning in server.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    bound = sock.getsockname()
+    print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {slots} slot(s), "
+          f"queue {queue}) on http://{host}:{bound[1]}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end with exit 0
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        sock.close()
+    print("pask-local serve: stopped", file=sys.stderr)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
