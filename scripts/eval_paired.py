@@ -7,6 +7,10 @@ test (McNemar) p-value for "A and B are equally accurate". Also: how often A's o
 character-for-character B's.
 
     .venv/bin/python scripts/eval_paired.py results/eval50 pask@0.33 snapkv@0.33 [full ...]
+    .venv/bin/python scripts/eval_paired.py results/qwen-native full full --b-out results/qwen-plain
+
+``--b-out DIR`` reads the runs compared with A from another output directory (e.g. the same
+method under another ``--prompt-style``); the cases are still paired by id.
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="pask-local eval output directory")
     ap.add_argument("a", help="run A, e.g. pask@0.33")
     ap.add_argument("others", nargs="+", help="runs to compare A with, e.g. snapkv@0.33 full")
+    ap.add_argument("--b-out", type=Path, default=None, help="read the compared runs from this directory")
     args = ap.parse_args(argv)
     recs = load(args.out)
+    recs_b = load(args.b_out) if args.b_out else recs
+    tag_b = f"{args.b_out.name}:" if args.b_out else ""
     ma, ba = parse_label(args.a)
     ids_a = {i for (i, m, b) in recs if (m, b) == (ma, ba)}
     if not ids_a:
@@ -67,17 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for label in args.others:
         mb, bb = parse_label(label)
-        ids = sorted(i for i in ids_a if (i, mb, bb) in recs)
+        ids = sorted(i for i in ids_a if (i, mb, bb) in recs_b)
         if not ids:
             print(f"error: no common cases of {args.a} and {label}", file=sys.stderr)
             return 1
         ra = [recs[(i, ma, ba)] for i in ids]
-        rb = [recs[(i, mb, bb)] for i in ids]
+        rb = [recs_b[(i, mb, bb)] for i in ids]
         wins = sum(1 for x, y in zip(ra, rb, strict=True) if x["valid"] and not y["valid"])
         losses = sum(1 for x, y in zip(ra, rb, strict=True) if y["valid"] and not x["valid"])
         same = sum(1 for x, y in zip(ra, rb, strict=True) if x["output"] == y["output"])
         n = len(ids)
-        print(f"| {args.a} | {label} | {n} | {100 * sum(x['valid'] for x in ra) / n:.1f} | "
+        print(f"| {args.a} | {tag_b}{label} | {n} | {100 * sum(x['valid'] for x in ra) / n:.1f} | "
               f"{100 * sum(y['valid'] for y in rb) / n:.1f} | {wins} | {losses} | {sign_test(wins, losses):.3f} | "
               f"{100 * same / n:.1f} |")
     return 0

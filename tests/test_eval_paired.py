@@ -34,3 +34,17 @@ def test_table_counts_discordant_cases(tmp_path, capsys):
     assert line.startswith("| pask@0.33 | full | 6 | 33.3 | 66.7 | 1 | 3 |")
     assert line.endswith("| 50.0 |")
     assert paired.main([str(tmp_path), "h2o@0.33", "full"]) == 1
+
+
+def test_runs_of_another_directory_pair_by_case_id(tmp_path, capsys):
+    a, b = tmp_path / "native", tmp_path / "plain"
+    a.mkdir()
+    b.mkdir()
+    ra = [{"id": f"c{i}", "method": "full", "budget": None, "valid": i < 3, "output": f"o{i}"} for i in range(5)]
+    rb = [{"id": f"c{i}", "method": "full", "budget": None, "valid": i in (0, 3), "output": f"p{i}"} for i in (4, 0, 3, 1)]
+    (a / "cases.jsonl").write_text("\n".join(json.dumps(r) for r in ra) + "\n")
+    (b / "cases.jsonl").write_text("\n".join(json.dumps(r) for r in rb) + "\n")
+    assert paired.main([str(a), "full", "full", "--b-out", str(b)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    # common ids c0, c1, c3, c4: A right on c0, c1; B right on c0, c3 -> one discordant pair each way
+    assert line.startswith("| full | plain:full | 4 | 50.0 | 50.0 | 1 | 1 | 1.000 | 0.0 |")
