@@ -188,6 +188,8 @@ def test_eval_cli_writes_fidelity(tmp_path):
     assert len(recs) == 4 and all(rec["fidelity"]["n"] > 0 for rec in recs)
     runs = {row["label"]: row for row in json.loads((out / "summary.json").read_text())["runs"]}
     assert runs["full"]["fidelity"]["kl"] == 0.0 and runs["streaming@0.2"]["fidelity"]["kl"] > 0
+    assert 0.0 <= runs["full"]["fidelity"]["same_output"] <= 1.0
+    assert 0.0 <= runs["full"]["fidelity"]["same_output"] <= 1.0
     assert runs["streaming@0.2"]["fidelity"]["gold_cases"] == 2
     assert (out / "fidelity.png").stat().st_size > 0
     assert len(list((out / "fidelity_ref").glob("*.npz"))) == 2

@@ -246,7 +246,9 @@ class FidelityMeter:
         self.refs = ReferenceStore(out_dir)
         self.use_examples = use_examples
 
-    def measure(self, case: Case, gen: Any) -> dict[str, Any]:
+    def measure(self, case: Case, gen: Any, raw_output: str | None = None) -> dict[str, Any]:
+        """``rec["fidelity"]`` of ``gen``'s run on ``case``; ``raw_output``: the text ``gen`` generated
+        (for Full KV: ``same_output`` says whether the reference's text is the same)."""
         from ..engine import Engine, EngineConfig, make_method
 
         task = make_task(case, self.use_examples)
@@ -260,7 +262,11 @@ class FidelityMeter:
         try:
             ref = self.refs.get(case, task, full_engine)
             if engine is None:
-                return reference_fidelity(ref)
+                fid = reference_fidelity(ref)
+                if raw_output is not None:
+                    text = model.detokenize([t for t in ref.tokens if not model.is_eog(t)], special=True)
+                    fid["same_output"] = text == raw_output
+                return fid
             return method_fidelity(engine, case, task, ref)
         except PaskError as exc:
             return {"n": 0, "kl": None, "top1": None, "groups": {}, "error": f"{type(exc).__name__}: {exc}"}
@@ -291,6 +297,8 @@ def pool(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
             out["groups"][g] = m
     gold = [f for f in fids if f.get("gold_n")]
     n_gold = sum(f["gold_n"] for f in gold)
+    same = [f["same_output"] for f in fids if "same_output" in f]
+    out["same_output"] = sum(same) / len(same) if same else None  # Full KV: reference text == its record's
     out["gold_cases"] = len(gold)
     out["gold_nll"] = sum(f["gold_n"] * f["gold_nll"] for f in gold) / n_gold if n_gold else None
     full = sum(f["gold_n"] * f["gold_nll_full"] for f in gold) / n_gold if n_gold else None

@@ -139,6 +139,10 @@ def fidelity_markdown(summary: dict[str, Any]) -> list[str]:
               "gold call forced under the method, gold dNLL = minus Full KV's on the same cases. Per class: "
               "name = function name, key = argument keys, value = values, punct = punctuation and whitespace, "
               "end = the end-of-generation step."]
+    full = next((r.get("fidelity") for r in summary["runs"] if r["budget"] is None), None)
+    if full and full.get("same_output") is not None:
+        lines[-1] += (f" Full KV's reference (the engine's full path) writes the Full KV row's output in "
+                      f"{_pct(full['same_output'])}% of its cases.")
     return lines
 
 

@@ -166,7 +166,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
                     rec = _record(case, gen, gen.generate(case))
                     if meter is not None:
                         t = time.perf_counter()
-                        rec["fidelity"] = meter.measure(case, gen)
+                        raw = (rec.get("stats") or {}).get("raw_output", rec["output"])
+                        rec["fidelity"] = meter.measure(case, gen, raw)
                         rec["fidelity_seconds"] = round(time.perf_counter() - t, 4)
                     store.add(rec)
                     n += 1
