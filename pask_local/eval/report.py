@@ -122,13 +122,12 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def fidelity_markdown(summary: dict[str, Any]) -> list[str]:
     """The per-class fidelity table and its legend (runs with a fidelity summary)."""
-    groups = GROUP_NAMES
+    runs = [r for r in summary["runs"] if r.get("fidelity")]
+    groups = [g for g in GROUP_NAMES if any(g in r["fidelity"]["groups"] for r in runs)]  # classes seen
     head = ["method", *(f"KL {g}" for g in groups), *(f"top-1 {g} %" for g in groups), "steps", "gold cases"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in summary["runs"]:
-        f = r.get("fidelity")
-        if not f:
-            continue
+    for r in runs:
+        f = r["fidelity"]
         per = [f["groups"].get(g) or {} for g in groups]
         cells = [r["label"], *(_num(p.get("kl")) for p in per), *(_pct(p.get("top1")) for p in per),
                  str(f["n"]), str(f["gold_cases"])]
