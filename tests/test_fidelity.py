@@ -30,6 +30,9 @@ from pask_local.eval.fidelity import (
 )
 from pask_local.eval.forced import coarse_kl, log_softmax, top_k_step
 from pask_local.eval.prompting import make_task, task_plan
+from pask_local.eval.report import markdown, summarize
+from pask_local.eval.runner import _done
+from pask_local.eval.store import ResultStore
 from pask_local.llm import Model
 
 FN = {"name": "get_weather", "description": "Weather for a city.",
@@ -77,6 +80,25 @@ def test_pool_is_token_weighted():
     assert p["groups"]["key"]["n"] == 8 and p["gold_nll"] == pytest.approx(1.25)
     assert p["gold_dnll"] == pytest.approx(0.25) and p["cases"] == 2
     assert pool([{"output": "x"}]) is None
+
+
+def test_report_columns_and_resume_rule(tmp_path):
+    fid = {"n": 4, "kl": 0.5, "top1": 0.75, "gold_n": 2, "gold_nll": 1.5, "gold_nll_full": 1.0,
+           "groups": {"name": {"n": 1, "kl": 2.0, "top1": 0.0}, "punct": {"n": 3, "kl": 0.0, "top1": 1.0}}}
+    store = ResultStore(tmp_path, {"model": "m"})
+    write_dataset(tmp_path / "ds.jsonl")
+    cases = load_file(tmp_path / "ds.jsonl")
+    store.add({"id": cases[0].id, "category": "custom", "method": "h2o", "budget": 0.5, "output": "x",
+               "valid": True, "fidelity": fid})
+    store.add({"id": cases[1].id, "category": "custom", "method": "h2o", "budget": 0.5, "output": "x",
+               "valid": False})
+    assert _done(store, cases[0], ("h2o", 0.5), True) and _done(store, cases[1], ("h2o", 0.5), False)
+    assert not _done(store, cases[1], ("h2o", 0.5), True)   # --fidelity redoes a record without it
+    table = markdown(summarize(store, cases, [("h2o", 0.5)]))
+    row = next(line for line in table.splitlines() if line.startswith("| h2o@0.5 | 50.0 | 50.0 | 0.5 | 75.0 |"))
+    assert "1.500 | +0.500" in row
+    assert "| KL name | KL punct | top-1 name % | top-1 punct % |" in table   # classes not seen: no column
+    assert "KL key" not in table
 
 
 # ------------------------------------------------------------------ real model

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class Reference:
         for i, s in enumerate(self.steps):
             ids[i, :len(s.ids)], lps[i, :len(s.lp)] = s.ids, s.lp
         meta = {"classes": self.classes, "gold_error": self.gold_error, "top_k": TOP_K}
-        tmp = path.with_suffix(".tmp.npz")
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")  # processes sharing --out may race
         np.savez_compressed(tmp, tokens=np.asarray(self.tokens, dtype=np.int64), ids=ids, lp=lps,
                             rest=np.asarray([s.rest for s in self.steps], dtype=np.float64),
                             gold=np.asarray(self.gold, dtype=np.int64), gold_lp=np.asarray(self.gold_lp),
