@@ -102,10 +102,12 @@ class Prepared:
 class Engine:
     """Runs requests on one model with one KV-persistence method."""
 
-    def __init__(self, model: Model, method: Method, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: Model, method: Method, config: EngineConfig | None = None,
+                 decoder_factory: Callable[[Model, Plan], Decoder] = Decoder) -> None:
         self.model = model
         self.method = method
         self.cfg = config or EngineConfig()
+        self.decoder_factory = decoder_factory  # builds each request's token chooser (eval.fidelity: forced)
         if not 0.0 < self.cfg.budget <= 1.0:
             raise PaskError(f"budget must be in (0, 1], got {self.cfg.budget}")
         self.swa, self.window = swa_layers(model)
@@ -353,7 +355,7 @@ class _Run:
         after_prefill = self.held_counts()
         t1 = time.perf_counter()
 
-        sampler = Decoder(model, plan)
+        sampler = self.e.decoder_factory(model, plan)
         logits = self.ctx.logits()
         out: list[int] = []
         classes: list[StructuralClass] = []

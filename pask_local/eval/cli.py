@@ -3,7 +3,8 @@
 Mounted by ``pask_local/cli.py`` with ``app.command("eval")(eval_command)``. Writes to ``--out``:
 ``cases.jsonl`` (one record per case x method x budget; rerunning skips finished ones),
 ``summary.json``, ``results.md`` (accuracy per category x method x budget, average, retention)
-and ``accuracy.png``. Bad input is a one-line ``PaskError``.
+and ``accuracy.png``; with ``--fidelity`` also the fidelity columns, ``fidelity.png`` and Full KV's
+references in ``fidelity_ref/`` (``eval.fidelity``). Bad input is a one-line ``PaskError``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def eval_command(
                                               "when the model's template has it.")] = "auto",
     report_only: Annotated[bool, typer.Option("--report-only", help="Only rebuild the tables and plot from the "
                                               "cases already in --out (runs with missing cases show fewer).")] = False,
+    fidelity: Annotated[bool, typer.Option("--fidelity", help="Also teacher-force every method along Full KV's "
+                                           "own output: KL(Full || method) and top-1 agreement per generated "
+                                           "class, and the gold call's NLL (about 3x the generation time; "
+                                           "docs/fidelity.md).")] = False,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -90,9 +95,9 @@ def eval_command(
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
-                     prompt_style=prompt_style)
-    console = Console(stderr=True)
-    store, cases, runs = run_eval(cfg, console)
+                     prompt_style=prompt_style, fidelity=fidelity)
+    store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))
-    typer.echo(f"results in {out}/ (cases.jsonl, summary.json, results.md, accuracy.png)")
+    extra = ", fidelity.png, fidelity_ref/" if fidelity else ""
+    typer.echo(f"results in {out}/ (cases.jsonl, summary.json, results.md, accuracy.png{extra})")

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from .data import Case
+from .fidelity import GROUP_NAMES, pool
 from .store import ResultStore, budget_key
 
 SUMMARY_FILE = "summary.json"
 TABLE_FILE = "results.md"
 PLOT_FILE = "accuracy.png"
+FIDELITY_PLOT_FILE = "fidelity.png"
 
 
 def _label(method: str, budget: float | None) -> str:
@@ -32,9 +34,11 @@ def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float
         per_cat: dict[str, dict[str, Any]] = {}
         seconds = 0.0
         n_gen = n_prompt = n_reused = n_err = 0
+        all_recs: list[dict[str, Any]] = []
         for cat in categories:
             recs = [store.records.get((c.id, method, budget_key(budget))) for c in cases if c.category == cat]
             recs = [r for r in recs if r is not None]
+            all_recs += recs
             correct = sum(1 for r in recs if r["valid"])
             per_cat[cat] = {"n": len(recs), "correct": correct,
                             "accuracy": correct / len(recs) if recs else None}
@@ -50,7 +54,7 @@ def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float
             "average": sum(accs) / len(accs) if accs else None,
             "n": sum(v["n"] for v in per_cat.values()), "seconds": round(seconds, 2),
             "generated_tokens": n_gen, "prompt_tokens": n_prompt, "prompt_tokens_reused": n_reused,
-            "generation_errors": n_err,
+            "generation_errors": n_err, "fidelity": pool(all_recs),
         })
     full = next((r for r in rows if r["method"] == "full"), None)
     for r in rows:
@@ -81,12 +85,29 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _num(x: float | None, fmt: str = ".3g") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _has_fidelity(summary: dict[str, Any]) -> bool:
+    return any(r.get("fidelity") for r in summary["runs"])
+
+
+def _fidelity_cells(f: dict[str, Any] | None) -> list[str]:
+    if not f:
+        return ["-"] * 4
+    return [_num(f["kl"]), _pct(f["top1"]), _num(f["gold_nll"], ".3f"), _num(f["gold_dnll"], "+.3f")]
+
+
 def markdown(summary: dict[str, Any]) -> str:
     cats = summary["categories"]
-    head = ["method", *cats, "average", "retention", "same as full", "cases", "time (s)"]
+    fid = _has_fidelity(summary)
+    head = ["method", *cats, "average", *(["KL", "top-1 %", "gold NLL", "gold dNLL"] if fid else []),
+            "retention", "same as full", "cases", "time (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["runs"]:
         cells = [r["label"], *(_pct(r["categories"][c]["accuracy"]) for c in cats), _pct(r["average"]),
+                 *(_fidelity_cells(r.get("fidelity")) if fid else []),
                  "-" if r["retention"] is None else f"{r['retention']:.3f}", _pct(r.get("agreement")), str(r["n"]),
                  f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -94,7 +115,34 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += ["", f"Accuracy in % (BFCL AST checker); average = mean over categories; retention = average / "
               f"Full-KV average; same as full = % of cases whose output equals Full KV's exactly. "
               f"Cases per category: {counts}."]
+    if fid:
+        lines += ["", *fidelity_markdown(summary)]
     return "\n".join(lines) + "\n"
+
+
+def fidelity_markdown(summary: dict[str, Any]) -> list[str]:
+    """The per-class fidelity table and its legend (runs with a fidelity summary)."""
+    runs = [r for r in summary["runs"] if r.get("fidelity")]
+    groups = [g for g in GROUP_NAMES if any(g in r["fidelity"]["groups"] for r in runs)]  # classes seen
+    head = ["method", *(f"KL {g}" for g in groups), *(f"top-1 {g} %" for g in groups), "steps", "gold cases"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        f = r["fidelity"]
+        per = [f["groups"].get(g) or {} for g in groups]
+        cells = [r["label"], *(_num(p.get("kl")) for p in per), *(_pct(p.get("top1")) for p in per),
+                 str(f["n"]), str(f["gold_cases"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Fidelity (teacher-forced along Full KV's own output, `--fidelity`): KL = mean KL(Full || method) "
+              "per generated token (nats; Full's top-128 tokens + the rest pooled); top-1 % = steps where the "
+              "method's own constrained greedy choice is Full KV's token; gold NLL = mean NLL per token of the "
+              "gold call forced under the method, gold dNLL = minus Full KV's on the same cases. Per class: "
+              "name = function name, key = argument keys, value = values, punct = punctuation and whitespace, "
+              "end = the end-of-generation step."]
+    full = next((r.get("fidelity") for r in summary["runs"] if r["budget"] is None), None)
+    if full and full.get("same_output") is not None:
+        lines[-1] += (f" Full KV's reference (the engine's full path) writes the Full KV row's output in "
+                      f"{_pct(full['same_output'])}% of its cases.")
+    return lines
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -127,9 +175,41 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_fidelity(summary: dict[str, Any], path: Path) -> None:
+    """Mean KL, top-1 agreement and gold dNLL against the budget, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("kl", "KL(Full || method), nats/token", 1.0), ("top1", "top-1 agreement with Full KV (%)", 100.0),
+              ("gold_dnll", "gold call dNLL vs Full KV (nats/token)", 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0))
+    for ax, (key, title, scale) in zip(axes, panels, strict=True):
+        by_method: dict[str, list[tuple[float, float]]] = {}
+        for r in summary["runs"]:
+            f = r.get("fidelity")
+            if f and f.get(key) is not None and r["budget"] is not None:
+                by_method.setdefault(r["method"], []).append((r["budget"], scale * f[key]))
+        for method, pts in by_method.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_xlabel("KV budget (fraction of full cache)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Fidelity to Full KV, teacher-forced ({summary['n_cases']} cases)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_reports(store: ResultStore, cases: list[Case], runs: list[tuple[str, float | None]]) -> dict[str, Any]:
     summary = summarize(store, cases, runs)
     (store.dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     (store.dir / TABLE_FILE).write_text(markdown(summary))
     plot(summary, store.dir / PLOT_FILE)
+    if _has_fidelity(summary):
+        plot_fidelity(summary, store.dir / FIDELITY_PLOT_FILE)
     return summary

@@ -10,6 +10,7 @@ count, the running accuracy and the ETA.
 from __future__ import annotations
 
 import importlib.metadata
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +29,11 @@ from rich.progress import (
 from ..errors import PaskError
 from .checker import score_output
 from .data import Case, load_cases
+from .fidelity import FidelityMeter
 from .generator import Generator, GeneratorSpec, check_methods, make_generator
 from .prompting import pick_examples
 from .split import select
-from .store import ResultStore
+from .store import ResultStore, record_key
 
 ERROR_TEXT_LIMIT = 500
 
@@ -52,6 +54,7 @@ class EvalConfig:
     use_examples: bool = True
     prompt_style: str = "auto"
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
+    fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -142,6 +145,12 @@ def _record(case: Case, gen: Generator, out: Any) -> dict[str, Any]:
     }
 
 
+def _done(store: ResultStore, case: Case, run: tuple[str, float | None], fidelity: bool) -> bool:
+    """A stored record counts as done; with ``fidelity`` only when it holds the fidelity field too."""
+    rec = store.records.get(record_key(case.id, *run))
+    return rec is not None and (not fidelity or "fidelity" in rec)
+
+
 GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 
 
@@ -152,8 +161,9 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
     console = console or Console(stderr=True)
     cases = select_cases(cfg, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
     store = ResultStore(cfg.out, manifest(cfg))
-    pending = {run: [] if cfg.report_only else [c for c in cases if not store.done(c.id, run[0], run[1])]
+    pending = {run: [] if cfg.report_only else [c for c in cases if not _done(store, c, run, cfg.fidelity)]
                for run in runs}
+    meter = FidelityMeter(cfg.out, cfg.use_examples) if cfg.fidelity and not cfg.report_only else None
     total = sum(len(v) for v in pending.values())
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -170,6 +180,11 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
             try:
                 for case in todo:
                     rec = _record(case, gen, gen.generate(case))
+                    if meter is not None:
+                        t = time.perf_counter()
+                        raw = (rec.get("stats") or {}).get("raw_output", rec["output"])
+                        rec["fidelity"] = meter.measure(case, gen, raw)
+                        rec["fidelity_seconds"] = round(time.perf_counter() - t, 4)
                     store.add(rec)
                     n += 1
                     n_ok += rec["valid"]
