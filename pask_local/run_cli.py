@@ -123,6 +123,8 @@ def run_command(
         result = run_tui(lambda p: engine.chat(msgs, tools, choice, parallel=parallel, trace=p), trace)
     else:
         result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace)
+    for line in result.stats.get("warnings", []):
+        print(f"warning: {line}", file=sys.stderr)   # the budget could not be met (floors win)
     if stats:
         _print_stats(result.stats)
     if stats_json:

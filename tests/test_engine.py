@@ -126,3 +126,12 @@ def test_engine_reads_what_a_method_needs_not_its_name(model, method, tmp_path):
                                        if e["type"] == "evict"]))
     assert evictions[0][1], "the budget must force evictions for this check to mean anything"
     assert evictions[0] == evictions[1]
+
+
+def test_a_budget_below_the_floors_is_reported(model):
+    # the prior's floors need more than 5% of full KV on this prompt: the stats (and `run`) say so
+    low = run(model, "pask-prior", 0.05, max_tokens=8)
+    assert low.stats["warnings"] and "floors win" in low.stats["warnings"][0]
+    assert low.stats["budget_used_after_prefill"] > 0.05
+    assert run(model, "pask-prior", 0.5, max_tokens=8).stats["warnings"] == []
+    assert run(model, "snapkv", 0.05, max_tokens=8).stats["warnings"] == []

@@ -466,6 +466,7 @@ class _Run:
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),
             "sampler": {"fast": sampler.stats.fast, "block": sampler.stats.block, "full": sampler.stats.full},
+            "warnings": self.method.budget_warnings(),  # e.g. PASK's floors alone above the budget
         }
 
     def _trace_header(self, grammar, request: str) -> None:

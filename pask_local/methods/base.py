@@ -48,6 +48,10 @@ class Method:
         """The policy this method runs, for the trace header (None: a fixed rule)."""
         return None
 
+    def budget_warnings(self) -> list[str]:
+        """Why the last ``capacities`` call could not meet the budget (empty: it did)."""
+        return []
+
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         """KV cells each layer may hold for a sequence whose tokens have these classes."""
         cap = max(1, math.ceil(budget * len(classes)))

@@ -60,6 +60,9 @@ class PASK(Method):
     def policy_json(self) -> dict:
         return self.policy.to_json()
 
+    def budget_warnings(self) -> list[str]:
+        return list(self.compiled.warnings) if self.compiled is not None else []
+
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         self.policy.check_model(n_layer)
         return list(self.compile(budget, classes).layer_capacity)
