@@ -324,7 +324,7 @@ def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
            "-C", f"build-dir={build_dir}", "-C", f"cmake.build-type={plan.build_type}", str(tree)]
     log(f"building wheel ({flavour}; a full build takes 6-15 min on 2 cores, incremental ~2 min)")
-    logfile = cache / "build.log"
+    logfile = cache / f"build-{flavour}.log"
     with open(logfile, "w") as lf:
         proc = subprocess.run(cmd, env=env, stdout=None if verbose else lf, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -378,7 +378,9 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
         return None
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / "build.lock", "w") as lock:
+    # one lock per flavour (its source tree and build dir): a long sanitizer or CUDA build does not
+    # hold up the CPU build of scripts/setup; the shared sdist is fetched atomically
+    with open(cache / f"build-{plan.flavour}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_build_backend()
         wheel = build_wheel(plan, repo, cache, verbose)
