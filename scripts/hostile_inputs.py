@@ -76,6 +76,8 @@ def cases(tmp: Path, marker: Path) -> list[tuple[str, list[str]]]:
         ("template: joiner globals os.popen",
          [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ joiner.__init__.__globals__.os.popen('touch "
                                                           + str(marker) + "').read() }}")), "--schema", str(SCHEMA), "hi"]),
+        ("template that raises", [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ raise_exception('this template "
+                                                                     "takes no tools') }}")), "--schema", str(SCHEMA), "hi"]),
         ("GGUF truncated to half", [*run, "--gguf", str(_edited_gguf(tmp, "half.gguf", lambda b: b[: len(b) // 2])),
                                     "--schema", str(SCHEMA), "hi"]),
         ("GGUF wrong magic", [*run, "--gguf", str(_edited_gguf(tmp, "magic.gguf", lambda b: b"GGUX" + b[4:])),
