@@ -1,4 +1,5 @@
-"""Command-line options shared by several subcommands (``--gguf``, ``--model``)."""
+"""Command-line options shared by several subcommands (``--gguf``, ``--model``) and the checks of
+the generation options that ``run`` and ``serve`` share."""
 
 from __future__ import annotations
 
@@ -6,9 +7,22 @@ from typing import Annotated
 
 import typer
 
+from .errors import PaskError
 from .model_registry import MODELS
 
 MODEL_HELP = (f"A named model ({', '.join(MODELS)}; `pask-local models` lists them, "
               "`pask-local models --install NAME` installs one). Not with --gguf.")
 
 ModelOption = Annotated[str | None, typer.Option("--model", help=MODEL_HELP, show_default=False)]
+
+
+def check_generation_options(method: str, budget: float, max_tokens: int) -> None:
+    """``--method``, ``--budget`` and ``--max-tokens`` as ``run`` and ``serve`` take them (one PaskError line)."""
+    from .methods import METHOD_NAMES
+
+    if method not in METHOD_NAMES:
+        raise PaskError(f"unknown method '{method}' (choose from {', '.join(METHOD_NAMES)})")
+    if not 0.0 < budget <= 1.0:
+        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    if max_tokens < 1:
+        raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")

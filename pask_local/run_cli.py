@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_options import ModelOption
+from .cli_options import ModelOption, check_generation_options
 from .errors import PaskError
 from .jsonfile import read_json_file
 
@@ -93,20 +93,14 @@ def run_command(
         raise PaskError("--schema FILE is required (or tools in the --messages request body)")
     if prompt_style not in PROMPT_STYLES:
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
-    if not 0.0 < budget <= 1.0:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
-    if max_tokens < 1:
-        raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
+    check_generation_options(method, budget, max_tokens)
 
     from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
     from .llm import Model
-    from .methods import METHOD_NAMES
     from .models import resolve_model
     from .schema.tools import load_tools, read_tools
 
-    if method not in METHOD_NAMES:
-        raise PaskError(f"unknown method '{method}' (choose from {', '.join(METHOD_NAMES)})")
     if schema is not None and not schema.is_file():
         raise PaskError(f"schema file not found: {schema}")
     tools = read_tools(schema) if schema is not None else load_tools(file_tools)

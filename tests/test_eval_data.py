@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from eval_helpers import FN
 
 from pask_local.eval.checker import score_output
 from pask_local.eval.data import (
@@ -16,11 +17,6 @@ from pask_local.eval.data import (
     load_file,
 )
 from pask_local.eval.split import split_of
-
-FN = {"name": "get_weather", "description": "Weather for a city.",
-      "parameters": {"type": "dict", "properties": {"city": {"type": "string", "description": "City"},
-                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
-                     "required": ["city"]}}
 
 
 def _entry(i: int) -> dict:

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
+from eval_helpers import FN
 
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.eval.data import load_file
@@ -35,10 +36,6 @@ from pask_local.eval.runner import _done
 from pask_local.eval.store import ResultStore
 from pask_local.llm import Model
 
-FN = {"name": "get_weather", "description": "Weather for a city.",
-      "parameters": {"type": "dict", "properties": {"city": {"type": "string", "description": "City"},
-                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
-                     "required": ["city"]}}
 CITIES = ("Paris", "Oslo")
 
 

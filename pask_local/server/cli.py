@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from ..cli_options import ModelOption
+from ..cli_options import ModelOption, check_generation_options
 from ..errors import PaskError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -64,19 +64,13 @@ def serve_command(
     Example: pask-local serve --model qwen2.5-coder-0.5b --port 8000
     Then: POST http://127.0.0.1:8000/v1/chat/completions (docs/server.md).
     """
-    from ..methods import METHOD_NAMES
     from ..model_registry import DEFAULT_MODEL
 
-    if method not in METHOD_NAMES:
-        raise PaskError(f"unknown method '{method}' (choose from {', '.join(METHOD_NAMES)})")
-    if not 0.0 < budget <= 1.0:
-        raise PaskError(f"--budget must be in (0, 1], got {budget}")
+    check_generation_options(method, budget, max_tokens)
     if slots < 1:
         raise PaskError(f"--slots must be >= 1, got {slots}")
     if queue < 0:
         raise PaskError(f"--queue must be >= 0, got {queue}")
-    if max_tokens < 1:
-        raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
     if max_context < 0:
         raise PaskError(f"--max-context must be >= 0, got {max_context}")
     if not 0 <= port <= 65535:
