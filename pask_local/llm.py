@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,15 +86,38 @@ class Model:
         # the GGUF's tokenizer.ggml.add_bos_token (Qwen2.5: false, its BOS id is <|endoftext|>)
         self.add_bos: bool = bool(raw.llama_vocab_get_add_bos(self.vocab)) and self.bos >= 0
         self._pieces: dict[int, bytes] = {}
+        # contexts still open on this model: llama_model_free waits for the last one (a context's
+        # destructor reads the model; in a garbage cycle the two finalizers run in any order)
+        self._lock = threading.Lock()
+        self._n_contexts = 0
+        self._closing = False
 
     @property
     def ptr(self):
         return self._ptr
 
     def close(self) -> None:
-        if getattr(self, "_ptr", None):
-            _raw().llama_model_free(self._ptr)
-            self._ptr = None
+        """Free the model now, or when its last open context closes."""
+        if not getattr(self, "_ptr", None):
+            return
+        with self._lock:
+            self._closing = True
+            if self._n_contexts:
+                return
+            ptr, self._ptr = self._ptr, None
+        _raw().llama_model_free(ptr)
+
+    def _context_opened(self) -> None:
+        with self._lock:
+            self._n_contexts += 1
+
+    def _context_closed(self) -> None:
+        with self._lock:
+            self._n_contexts -= 1
+            if not (self._closing and self._n_contexts == 0 and self._ptr):
+                return
+            ptr, self._ptr = self._ptr, None
+        _raw().llama_model_free(ptr)
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         try:
@@ -188,6 +212,7 @@ class Context:
         if not ptr:
             raise NativeError("llama.cpp could not create a context (out of memory or bad parameters)")
         self._ptr = ptr
+        model._context_opened()
         self.n_ctx: int = raw.llama_n_ctx(ptr)
         self._batch = raw.llama_batch_init(max(1, self.config.n_batch), 0, max(1, self.config.n_seq_max))
 
@@ -227,6 +252,7 @@ class Context:
         if getattr(self, "_ptr", None):
             raw.llama_free(self._ptr)
             self._ptr = None
+            self.model._context_closed()   # frees the model if it was closed while this was open
 
     def __del__(self) -> None:  # pragma: no cover
         try:
