@@ -198,6 +198,8 @@ class _Run:
         self.ratio = [c / self.n_prompt for c in self.caps]
         self.full = self.method.keeps_all
         self.needs_attn = self.method.needs_attention and not self.full
+        # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
+        self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
         self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
         max_len = self.n_prompt + self.cfg.max_tokens
         cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window))
@@ -307,7 +309,7 @@ class _Run:
             self.n_seq = b
             if self.full:
                 continue
-            if self.method.needs_attention and not self.method.compress_after_prefill:
+            if self.scores_each_decode:
                 self.collect_scores(self._incremental_stat())
             if planned is not None:
                 for il in range(self.n_layer):
@@ -387,7 +389,7 @@ class _Run:
                 raise NativeError(f"llama_decode failed at position {pos} (a layer ran out of cells)")
             self.n_seq = pos + 1
             if not self.full:
-                if self.needs_attn and not self.method.compress_after_prefill:
+                if self.scores_each_decode:
                     self.collect_scores(self._incremental_stat())
                 for il in range(self.n_layer):
                     self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")

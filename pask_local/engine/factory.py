@@ -14,6 +14,9 @@ from ..policy import Policy
 from ..policy.handwritten import handwritten_policy
 from ..policy.shipped import resolve_default_policy
 
+# the methods that run the model's default (resolved) policy when none is given
+DEFAULT_POLICY_METHODS = ("pask", "pask-attn")
+
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
                 warn: Callable[[str], None] | None = None) -> Method:

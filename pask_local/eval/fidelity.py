@@ -17,6 +17,7 @@ token-weighted. The gold call is the BFCL reference answer rendered as the gramm
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ from ..errors import PaskError
 from ..llm import Model
 from .data import Case
 from .forced import TOP_K, ForcedDecoder, RefStep, StepStat
-from .prompting import Task, make_task, task_plan
+from .prompting import ENGINE_STYLES, Task, make_task, task_plan
 from .reference import reference_calls, unsatisfiable
 
 REF_DIR = "fidelity_ref"
@@ -137,8 +138,8 @@ def gold_tokens(engine: Any, task: Task, case: Case) -> list[int]:
 
 
 def _style(engine: Any) -> str:
-    # the engine's style name -> the harness's (task_plan maps it back)
-    return {"instruction": "plain"}.get(engine.cfg.style, engine.cfg.style)
+    # the engine's style name -> the harness's (task_plan maps it back): ENGINE_STYLES inverted
+    return {v: k for k, v in ENGINE_STYLES.items()}.get(engine.cfg.style, engine.cfg.style)
 
 
 def _gold_lps(dec: ForcedDecoder, gold: list[int]) -> tuple[list[float], str | None]:
@@ -250,15 +251,15 @@ class FidelityMeter:
     def measure(self, case: Case, gen: Any, raw_output: str | None = None) -> dict[str, Any]:
         """``rec["fidelity"]`` of ``gen``'s run on ``case``; ``raw_output``: the text ``gen`` generated
         (for Full KV: ``same_output`` says whether the reference's text is the same)."""
-        from ..engine import Engine, EngineConfig, make_method
+        from ..engine import Engine, make_method
 
         task = make_task(case, self.use_examples)
         engine = getattr(gen, "engine", None)
         model = gen.model
-        cfg = engine.cfg if engine is not None else self._config(gen)
+        cfg = engine.cfg if engine is not None else gen.spec.engine_config(1.0)
 
         def full_engine() -> Any:
-            return Engine(model, make_method("full", model), EngineConfig(**{**cfg.__dict__, "budget": 1.0}))
+            return Engine(model, make_method("full", model), dataclasses.replace(cfg, budget=1.0))
 
         try:
             ref = self.refs.get(case, task, full_engine)
@@ -271,13 +272,6 @@ class FidelityMeter:
             return method_fidelity(engine, case, task, ref)
         except PaskError as exc:
             return {"n": 0, "kl": None, "top1": None, "groups": {}, "error": f"{type(exc).__name__}: {exc}"}
-
-    @staticmethod
-    def _config(gen: Any) -> Any:
-        from ..engine import EngineConfig
-        from .prompting import ENGINE_STYLES
-
-        return EngineConfig(budget=1.0, max_tokens=gen.spec.max_tokens, style=ENGINE_STYLES[gen.spec.prompt_style])
 
 
 def pool(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

@@ -65,6 +65,12 @@ class GeneratorSpec:
     use_examples: bool = True
     prompt_style: str = "auto"     # auto | native | plain (eval.prompting.PROMPT_STYLES)
 
+    def engine_config(self, budget: float) -> Any:
+        """The ``EngineConfig`` a method runs this spec with (its budget, limit and prompt style)."""
+        from ..engine import EngineConfig
+
+        return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style])
+
 
 def check_methods(names: list[str]) -> list[str]:
     """Validate method names (PaskError for unknown ones); duplicates removed, order kept."""
@@ -175,7 +181,7 @@ class EngineGenerator:
     """A KV-budget method (baseline or PASK) run through ``pask_local.engine.Engine``."""
 
     def __init__(self, method: str, spec: GeneratorSpec) -> None:
-        from ..engine import Engine, EngineConfig, make_method
+        from ..engine import Engine, make_method
         from ..llm import Model
 
         if spec.budget is None:
@@ -184,9 +190,7 @@ class EngineGenerator:
         self.budget = spec.budget
         self.spec = spec
         self.model = Model(spec.gguf)
-        self.engine = Engine(self.model, make_method(method, self.model),
-                             EngineConfig(budget=spec.budget, max_tokens=spec.max_tokens,
-                                          style=ENGINE_STYLES[spec.prompt_style]))
+        self.engine = Engine(self.model, make_method(method, self.model), spec.engine_config(spec.budget))
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens}

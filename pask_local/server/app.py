@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..engine import Engine, EngineConfig, EngineResult, make_method
 from ..engine.core import Prepared
+from ..engine.factory import DEFAULT_POLICY_METHODS
 from ..errors import ContextLengthError, PaskError
 from ..llm import Model
 from ..methods import Method
@@ -100,7 +101,7 @@ class Server:
     # ------------------------------------------------------------ engine
     def method(self, name: str) -> Method:
         """A fresh method object per request (methods keep per-run state); PASK's policy resolved once."""
-        if name in ("pask", "pask-attn"):
+        if name in DEFAULT_POLICY_METHODS:
             if self._policy is None:
                 self._policy, warning = resolve_default_policy(self.model)
                 if warning:
