@@ -14,6 +14,20 @@ MODEL_HELP = (f"A named model ({', '.join(MODELS)}; `pask-local models` lists th
               "`pask-local models --install NAME` installs one). Not with --gguf.")
 
 ModelOption = Annotated[str | None, typer.Option("--model", help=MODEL_HELP, show_default=False)]
+NglOption = Annotated[int, typer.Option("--ngl", help="Model layers offloaded to the GPU (-1: all; needs a CUDA "
+                                        "build: scripts/build_llama.py --cuda). 0: CPU only.")]
+FlashAttnOption = Annotated[bool, typer.Option("--flash-attn/--no-flash-attn", help="Flash attention (methods "
+                                               "that rank by attention scores run without it).")]
+HysteresisOption = Annotated[int, typer.Option("--hysteresis", help="A layer over its budget evicts down to "
+                                               "budget - N entries at once, so selection runs every ~N tokens.")]
+
+
+def check_device_options(ngl: int, hysteresis: int) -> None:
+    """``--ngl`` and ``--hysteresis`` (one PaskError line)."""
+    if ngl < -1:
+        raise PaskError(f"--ngl must be -1 (all layers) or >= 0, got {ngl}")
+    if hysteresis < 0:
+        raise PaskError(f"--hysteresis must be >= 0, got {hysteresis}")
 
 
 def check_generation_options(method: str, budget: float, max_tokens: int) -> None:

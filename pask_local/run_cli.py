@@ -17,7 +17,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_options import ModelOption, check_generation_options
+from .cli_options import (
+    FlashAttnOption,
+    HysteresisOption,
+    ModelOption,
+    NglOption,
+    check_device_options,
+    check_generation_options,
+)
 from .errors import PaskError
 from .jsonfile import read_json_file
 
@@ -75,6 +82,9 @@ def run_command(
     stats_json: Annotated[bool, typer.Option("--stats-json", help="Print the stats as JSON on stderr.")] = False,
     tui: Annotated[bool, typer.Option("--tui", help="Watch the run in the trace viewer (writes --trace, or a "
                                       "temporary trace).")] = False,
+    ngl: NglOption = 0,
+    flash_attn: FlashAttnOption = False,
+    hysteresis: HysteresisOption = 0,
 ) -> None:
     """Generate a schema-valid function call for REQUEST under a KV budget.
 
@@ -94,6 +104,7 @@ def run_command(
     if prompt_style not in PROMPT_STYLES:
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     check_generation_options(method, budget, max_tokens)
+    check_device_options(ngl, hysteresis)
 
     from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
@@ -107,10 +118,11 @@ def run_command(
     msgs = parse_messages(convo) if convo is not None else user_message(request or "")
     default_choice = "auto" if convo is not None else "required"
     choice = parse_tool_choice(_tool_choice(tool_choice) or choice_raw or default_choice, [t.name for t in tools])
-    model = Model(resolve_model(gguf, model))
+    model = Model(resolve_model(gguf, model), n_gpu_layers=ngl)
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
-                    EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style]))
+                    EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style],
+                                 flash_attn=flash_attn, hysteresis=hysteresis))
     if tui:
         from .tui.cli import run_tui
 
@@ -141,7 +153,10 @@ def _print_stats(s: dict) -> None:
     t.add_row("KV used at the end", f"{s['budget_used_final']:.3f} of full")
     t.add_row("retention per layer group", "  ".join(
         f"g{g}: {h}/{f}" for g, (h, f) in enumerate(zip(s["held_per_group"], s["full_per_group"], strict=True))))
-    t.add_row("KV bytes allocated", f"{s['kv_bytes_allocated'] / 2**20:.2f} MiB")
+    t.add_row("KV bytes allocated", f"{s['kv_bytes_allocated'] / 2**20:.2f} MiB"
+              + (f" (of which {s['kv_bytes_alignment'] / 2**20:.2f} MiB: capacities rounded to 256 cells)"
+                 if s.get("kv_bytes_alignment") else ""))
+    t.add_row("persistence step", f"{s.get('step_ms_per_token', 0.0):.2f} ms/token")
     t.add_row("prefill", f"{s['prefill_ms']:.0f} ms")
     t.add_row("decode", f"{s['ms_per_token']:.1f} ms/token")
     sm = s["sampler"]

@@ -8,7 +8,11 @@ are against Full KV measured in the same process (machines are noisy: compare ra
   .venv/bin/python scripts/bench_engine.py [--budget 0.33] [--tools N] [--repeat 2] [--json out.json]
 
 ``--tools N`` repeats the bundled example tools with renamed copies to lengthen the prompt
-(KV savings grow with context length).
+(KV savings grow with context length). ``--step native,python`` runs each budgeted method with the
+native persistence step and with the Python reference rules (rows ``method[python]``);
+``--hysteresis K`` lets an over-target layer evict down to target - K. ``step ms`` is the time per
+generated token spent in the persistence step (scores, selection, eviction, held counts), measured
+inside the engine; ``step %`` is its share of that method's TPOT.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pask_local.engine import Engine, EngineConfig, make_method  # noqa: E402
+from pask_local.errors import PaskError  # noqa: E402
 from pask_local.llm import Model  # noqa: E402
 from pask_local.methods import METHOD_NAMES  # noqa: E402
 from pask_local.models import resolve_model  # noqa: E402
@@ -52,42 +57,61 @@ def tool_set(n: int) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--gguf", default=None, help="a GGUF path (or hf://...)")
+    ap.add_argument("--model", default=None, help="a named model (pask-local models)")
     ap.add_argument("--budget", type=float, default=0.33)
     ap.add_argument("--tools", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHOD_NAMES))
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--step", default="native", help="comma list of native | python (the reference rules)")
+    ap.add_argument("--hysteresis", type=int, default=0)
     args = ap.parse_args()
 
-    model = Model(resolve_model(args.gguf))
+    try:
+        model = Model(resolve_model(args.gguf, args.model))
+    except PaskError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    steps = [x.strip() for x in args.step.split(",") if x.strip()]
+    if any(x not in ("native", "python") for x in steps):
+        ap.error("--step takes native and/or python")
     tools = load_tools(tool_set(args.tools))
     request = "What is the weather like in Paris today? Please answer in celsius."
     rows = {}
-    for name in args.methods.split(","):
+    # one untimed run first: page the weights in and warm the caches (else the first method pays for it)
+    Engine(model, make_method("full", model), EngineConfig(budget=1.0, max_tokens=8)).run(tools, request)
+    jobs = [(name, step) for name in args.methods.split(",") for step in (steps if name != "full" else ["native"])]
+    for name, step in jobs:
         budget = 1.0 if name == "full" else args.budget
-        engine = Engine(model, make_method(name, model), EngineConfig(budget=budget, max_tokens=args.max_tokens))
+        cfg = EngineConfig(budget=budget, max_tokens=args.max_tokens, native_step=step == "native",
+                           hysteresis=args.hysteresis)
+        engine = Engine(model, make_method(name, model), cfg)
         runs = [engine.run(tools, request) for _ in range(args.repeat)]
         s = runs[-1].stats
-        rows[name] = {
+        key = name if step == "native" else f"{name}[python]"
+        rows[key] = {
             "n_prompt": s["n_prompt"], "n_gen": s["n_gen"],
             "prefill_ms": statistics.median(r.stats["prefill_ms"] for r in runs),
             "tpot_ms": statistics.median(r.stats["ms_per_token"] for r in runs),
             "kv_bytes": s["kv_bytes_allocated"], "kv_used": s["budget_used_final"],
             "peak_prefill_entries": s["peak_prefill_entries"], "valid": all(r.ok for r in runs),
+            "step_ms": statistics.median(r.stats["step_ms_per_token"] for r in runs),
         }
     full = rows.get("full")
-    table = Table(title=f"engine benchmark: {model.path.name}, {args.tools} tools, budget {args.budget}")
-    for col in ("method", "prompt", "gen", "prefill ms", "TPOT ms", "TPOT x full", "KV MiB", "KV x full",
-                "held/full", "valid"):
+    table = Table(title=f"engine benchmark: {model.path.name}, {args.tools} tools, budget {args.budget}, "
+                        f"hysteresis {args.hysteresis}")
+    for col in ("method", "prompt", "gen", "prefill ms", "TPOT ms", "TPOT x full", "step ms", "step %", "KV MiB",
+                "KV x full", "held/full", "valid"):
         table.add_column(col, justify="right")
     for name, r in rows.items():
         tpot_x = f"{r['tpot_ms'] / full['tpot_ms']:.2f}" if full else "-"
         kv_x = f"{r['kv_bytes'] / full['kv_bytes']:.2f}" if full else "-"
         table.add_row(name, str(r["n_prompt"]), str(r["n_gen"]), f"{r['prefill_ms']:.0f}", f"{r['tpot_ms']:.1f}",
-                      tpot_x, f"{r['kv_bytes'] / 2**20:.2f}", kv_x, f"{r['kv_used']:.3f}", str(r["valid"]))
-    Console().print(table)
+                      tpot_x, f"{r['step_ms']:.2f}", f"{100 * r['step_ms'] / r['tpot_ms']:.1f}",
+                      f"{r['kv_bytes'] / 2**20:.2f}", kv_x, f"{r['kv_used']:.3f}", str(r["valid"]))
+    Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

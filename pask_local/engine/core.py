@@ -14,6 +14,10 @@ prompt, tagged; the grammar for ``tool_choice``), sizes every layer's KV capacit
 then decodes (``chat.decoder``: the fast grammar sampler, a lazy grammar for ``auto``, or free
 text), tags each new token, and evicts by the method's rule
 when a layer passes its budget (which grows with the sequence: budget x tokens so far).
+The per-token work (class bookkeeping, attention scores, selection, eviction by cell index) runs
+in the native persistence step (``native_step``, patch 0006) from each method's ``step_rule``: one
+native call per generated token, evicting a layer in one batch down to its target minus
+``hysteresis``. ``EngineConfig.native_step=False`` runs the Python reference (``Method.select``).
 Every count reported (held entries, bytes) is read from the native cache, not from Python. The
 engine reads what a method needs from its declared attributes (``methods.base.Method``), never
 from its name.
@@ -47,6 +51,7 @@ from ..llm import Context, ContextConfig, Model
 from ..methods import LayerView, Method
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
+from ..native_step import LayerRule, NativeStep
 from ..schema.tools import as_tools
 from ..tagging.prompt import Prompt
 from .trace import TraceWriter
@@ -62,6 +67,10 @@ class EngineConfig:
     style: str = "auto"           # prompt style: auto | native | instruction | chat | plain (chat.protocol)
     max_string: int | None = 128  # characters per string value (bounds runaway strings)
     max_calls: int | None = 8     # calls in a parallel list
+    native_step: bool = True      # per-token eviction in the native step (False: Python reference rules)
+    hysteresis: int = 0           # native step: a layer over target evicts down to target - hysteresis
+    cell_align: int = 256         # layered capacities round up to a multiple of this (as upstream pads n_ctx)
+    flash_attn: bool = False      # flash attention (off for methods that read attention scores: the probe)
 
 
 @dataclass
@@ -177,6 +186,10 @@ class Engine:
             run.close()
 
 
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align if align > 1 else n
+
+
 class _Run:
     """The state of one request: context, per-layer bookkeeping, scores, trace."""
 
@@ -202,17 +215,24 @@ class _Run:
         self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
         self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
         max_len = self.n_prompt + self.cfg.max_tokens
-        cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window))
+        self.flash_attn = self.cfg.flash_attn and not self.needs_attn
+        cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window),
+                             flash_attn=self.flash_attn)
         if self.full:
             self.ctx: Context = Context(self.model, cfgc)
             self.phys = [n_ctx] * self.n_layer
+            self.needed = self.phys
         else:
             if self.method.compress_after_prefill:
                 phys = [max_len] * self.n_layer
             else:
                 phys = [min(max_len, self.target(il, self.cfg.max_tokens) + self.cfg.chunk)
                         for il in range(self.n_layer)]
-            self.phys = [self._swa_cap(il, p) for il, p in enumerate(phys)]
+            self.needed = [self._swa_cap(il, p) for il, p in enumerate(phys)]
+            # upstream pads n_ctx (and so n_kv) to 256; equal padding keeps budget 1.0 equal to Full KV
+            # bit for bit, and the GPU kernels need n_kv % 256 == 0 (the bytes this costs: stats)
+            self.phys = [min(_round_up(p, self.cfg.cell_align), _round_up(max_len, self.cfg.cell_align))
+                         for p in self.needed]
             self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
         # layer groups for reporting: the method's (PASK: its policy's groups)
         self.group_list = self.method.report_groups(self.n_layer)
@@ -220,8 +240,38 @@ class _Run:
         for g, layers in enumerate(self.group_list):
             for il in layers:
                 self.layer_group[il] = g
-        self.scores = [np.zeros(max_len + 1) for _ in range(self.n_layer)] if self.needs_attn else None
+        self.step: NativeStep | None = None
+        if not self.full and self.cfg.native_step:
+            self.step = self._native_step(max_len)
+        self.scores = ([np.zeros(max_len + 1) for _ in range(self.n_layer)]
+                       if self.needs_attn and self.step is None else None)
         self.held_log: list[list[int]] = []
+
+    def _native_step(self, max_len: int) -> NativeStep:
+        code = "score" if self.needs_attn else "policy"
+        rules = [LayerRule(self.method.step_rule(il, self.n_layer, self.n_prompt), cap=self.caps[il],
+                           ratio=self.ratio[il], rule_code=code,
+                           swa_window=self.e.window if il in self.e.swa and self.e.window > 0 else 0)
+                 for il in range(self.n_layer)]
+        stat = self._incremental_stat() if self.scores_each_decode else -1
+        step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat,
+                          self.cfg.hysteresis)
+        step.set_trace(self.trace.enabled)
+        return step
+
+    def _flush_events(self) -> None:
+        """Write the native step's evictions to the trace, one record per (step, layer, rule) run."""
+        if self.step is None or not self.trace.enabled:
+            return
+        run: list[int] = []
+        key = None
+        for step, il, p, rule in [*self.step.events(), (None, None, None, None)]:
+            if key is not None and (step, il, rule) != key:
+                self.trace.write("evict", step=key[0], layer=key[1], group=self.group_of(key[1]),
+                                 positions=run, rule=key[2])
+                run = []
+            key = (step, il, rule)
+            run.append(p)
 
     # ------------------------------------------------------------ budgeting
     def target(self, il: int, n_gen: int) -> int:
@@ -229,14 +279,20 @@ class _Run:
         return self.caps[il] + math.ceil(self.ratio[il] * n_gen - 1e-9)
 
     def _swa_cap(self, il: int, cap: int) -> int:
-        # a sliding-window layer never needs more cells than its window (+ one chunk in flight)
-        return min(cap, self.e.window + self.cfg.chunk) if il in self.e.swa else cap
+        # a sliding-window layer never needs more cells than its window + the longest chunk in flight
+        # (compress-after-prefill methods end the prefill with a probe_window-long chunk)
+        longest = max(self.cfg.chunk, self.cfg.probe_window)
+        return min(cap, self.e.window + longest) if il in self.e.swa else cap
 
     # ------------------------------------------------------------- KV ops
     def held(self, il: int) -> np.ndarray:
         return np.asarray(self.ctx.positions(il), dtype=np.int64)
 
     def evict_to(self, il: int, capacity: int, step: int, rule: str) -> None:
+        if self.step is not None:
+            self.step.evict_to(il, capacity, step, rule)
+            self._flush_events()
+            return
         pos = self.held(il)
         if len(pos) <= capacity:
             return
@@ -253,6 +309,10 @@ class _Run:
     def evict_swa_window(self, now: int, step: int) -> None:
         """Sliding-window layers: positions that left the window can never be attended again."""
         if not self.e.swa or self.e.window <= 0:
+            return
+        if self.step is not None:
+            self.step.drop_window(now, step)
+            self._flush_events()
             return
         for il in self.e.swa:
             pos = self.held(il)
@@ -280,6 +340,9 @@ class _Run:
     # -------------------------------------------------------------- scores
     def collect_scores(self, what: int) -> None:
         """Add the probe's per-cell statistic of the last decode to each layer's per-position scores."""
+        if self.step is not None:
+            self.step.collect(what)
+            return
         assert self.probe is not None and self.scores is not None
         for il in range(self.n_layer):
             stat = self.probe.stat(il, what)
@@ -364,6 +427,7 @@ class _Run:
         finish = "length"
         pos = self.n_prompt
         worst_over = 0.0
+        step_s = 0.0  # time in the per-token persistence step (scores, selection, eviction, counts)
         for step in range(self.cfg.max_tokens):
             tok = sampler.choose(logits)
             if model.is_eog(tok):
@@ -388,13 +452,19 @@ class _Run:
             if self.ctx.decode([tok], pos) != 0:
                 raise NativeError(f"llama_decode failed at position {pos} (a layer ran out of cells)")
             self.n_seq = pos + 1
-            if not self.full:
-                if self.scores_each_decode:
-                    self.collect_scores(self._incremental_stat())
-                for il in range(self.n_layer):
-                    self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
-                self.evict_swa_window(pos, step)
-            held = self.held_counts()
+            t_step = time.perf_counter()
+            if self.step is not None:  # one native call: scores, selection, eviction, window
+                held = self.step.token(self.all_classes[-1], pos, step + 1)
+                self._flush_events()
+            else:
+                if not self.full:
+                    if self.scores_each_decode:
+                        self.collect_scores(self._incremental_stat())
+                    for il in range(self.n_layer):
+                        self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
+                    self.evict_swa_window(pos, step)
+                held = self.held_counts()
+            step_s += time.perf_counter() - t_step
             worst_over = max(worst_over, max(h - self._allowed(il, step + 1) for il, h in enumerate(held)))
             if self.trace.enabled:
                 self.trace.write("step", step=step, pos=pos, kept=self._group_sums(held),
@@ -410,6 +480,7 @@ class _Run:
         if sampler.rejected:
             error = "the text after the call opener does not fit the call grammar"
         stats = self._stats(after_prefill, len(out), t0, t1, t2, sampler, worst_over)
+        stats["step_ms_per_token"] = step_s * 1e3 / max(1, len(out))
         if self.trace.enabled:
             self.trace.write("final", output=text, valid=error is None, retained=self._retained(),
                              n_prompt=self.n_prompt, n_gen=len(out), ms_per_token=stats["ms_per_token"])
@@ -450,10 +521,13 @@ class _Run:
         full_now = sum(self.full_size(il, n_total) for il in range(self.n_layer))
         full_prefill = sum(self.full_size(il, self.n_prompt) for il in range(self.n_layer))
         groups = self.groups()
+        rounding = 0
         if self.full:
             kv_bytes = kv_total_bytes(self.ctx)
         else:
             kv_bytes = self.ctx.kv_bytes()
+            for il in range(self.n_layer):  # bytes of the cells added by rounding capacities up
+                rounding += sum(self.ctx.layer_bytes(il)) * (self.phys[il] - self.needed[il]) // self.phys[il]
         return {
             "method": self.method.name, "budget": None if self.full else self.cfg.budget,  # full KV: no budget
             "n_prompt": self.n_prompt, "n_gen": n_gen,
@@ -464,6 +538,8 @@ class _Run:
             "full_per_group": [sum(self.full_size(il, n_total) for il in layers) for layers in groups],
             "capacity_per_layer": list(self.phys),
             "kv_bytes_allocated": int(kv_bytes),
+            "kv_bytes_alignment": int(rounding),
+            "flash_attn": self.flash_attn,  # of kv_bytes_allocated: capacities rounded to cell_align
             "max_over_budget_entries": int(worst_over),
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),
@@ -486,6 +562,8 @@ class _Run:
 
     def close(self) -> None:
         self.trace.close()
+        if self.step is not None:
+            self.step.close()
         self.ctx.close()
         if self.probe is not None:
             self.probe.close()

@@ -6,12 +6,14 @@ what each layer's capacity is for a given budget (``capacities``). Positions are
 ``LayerView`` carries everything a rule may look at. What a method needs from the engine it declares
 in class attributes (``keeps_all``, ``needs_attention``, ``attention_stat``, ``compress_after_prefill``,
 ``plans_prompt``, ``scales_swa_capacity``), so the engine never branches on a method's name.
+``step_rule`` describes the same selection as data (``StepRule``) for the native persistence step
+(patch 0006), which runs it once per generated token without Python; ``select`` stays the reference.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +27,30 @@ class LayerView:
     scores: np.ndarray | None = None  # float64 [n] method-specific attention statistic, if any
     prompt_len: int = 0              # tokens in the prompt (positions < prompt_len are prompt)
     all_classes: np.ndarray | None = None  # int64 [now+1] class index of every position so far
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """One layer's selection rule as data, for the native step (``pask-step.h``, struct pask_step_rule).
+
+    ``kind``: ``quota`` (PASK: per-class shares ``keep``, ``never`` classes, ``recent`` newest,
+    within-class ``order``, protection ``rank``), ``topk`` (the highest-scored positions, scores
+    average-pooled by ``pool_kernel``; protected first: the ``protect_newest`` + floor(capacity x
+    ``protect_ratio``) newest and every position >= ``protect_from``) or ``sink_recent``
+    (``n_sink`` first positions + the newest).
+    """
+
+    kind: str
+    protect_newest: int = 0
+    protect_ratio: float = 0.0
+    protect_from: int = -1
+    pool_kernel: int = 1
+    n_sink: int = 0
+    recent: int = 0
+    never: tuple[int, ...] = ()
+    order: str = "oldest-first"
+    keep: tuple[float, ...] = field(default=())   # per class index
+    rank: tuple[int, ...] = field(default=())     # per class index
 
 
 class Method:
@@ -60,6 +86,10 @@ class Method:
     def select(self, view: LayerView, capacity: int) -> np.ndarray:
         """Positions (subset of view.positions) to keep, at most ``capacity`` of them."""
         raise NotImplementedError
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        """``select`` of layer ``layer`` as data for the native step (same keep set for the same view)."""
+        raise NotImplementedError(f"{self.name} has no native step rule")
 
 
 def top_k_positions(positions: np.ndarray, scores: np.ndarray, k: int, protect: np.ndarray | None = None

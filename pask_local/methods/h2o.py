@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method, top_k_positions
+from .base import LayerView, Method, StepRule, top_k_positions
 
 
 class H2O(Method):
@@ -27,3 +27,6 @@ class H2O(Method):
         if n_recent:
             recent[order[-n_recent:]] = True
         return top_k_positions(view.positions, view.scores, capacity, protect=recent)
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        return StepRule("topk", protect_ratio=self.recent_ratio)

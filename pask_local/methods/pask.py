@@ -23,7 +23,7 @@ import numpy as np
 
 from ..classes import PROTECTION_ORDER, StructuralClass, class_index
 from ..policy import CompiledPolicy, Policy, compile_policy
-from .base import LayerView, Method
+from .base import LayerView, Method, StepRule
 from .snapkv import pool_scores
 
 _ALL = list(StructuralClass)
@@ -104,6 +104,14 @@ class PASK(Method):
             order = np.lexsort((-worth[idx], _RANK[cls[idx]]))  # most protective, most worth first
             kept[idx[order[: capacity - kept.sum()]]] = True
         return np.sort(pos[kept])
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        if self.compiled is None:
+            raise RuntimeError("PASK.step_rule before capacities()/compile()")
+        keep_frac = self.compiled.keep[self.group_of[layer]]
+        return StepRule("quota", recent=self.recent, never=tuple(class_index(c) for c in self.policy.never_evict),
+                        order=self.policy.within_class_order,
+                        keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in _RANK))
 
     def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
                scores: np.ndarray | None = None) -> np.ndarray:

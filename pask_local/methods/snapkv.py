@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method, top_k_positions
+from .base import LayerView, Method, StepRule, top_k_positions
 
 
 def pool_scores(positions: np.ndarray, scores: np.ndarray, kernel: int) -> np.ndarray:
@@ -45,3 +45,6 @@ class SnapKV(Method):
         protect = view.positions >= obs_start
         pooled = pool_scores(view.positions, view.scores, self.kernel)
         return top_k_positions(view.positions, pooled, capacity, protect=protect)
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        return StepRule("topk", protect_from=max(0, prompt_len - self.window), pool_kernel=self.kernel)

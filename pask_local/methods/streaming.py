@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method
+from .base import LayerView, Method, StepRule
 
 
 class StreamingLLM(Method):
@@ -21,3 +21,6 @@ class StreamingLLM(Method):
         window = capacity - len(sinks)
         recent = pos[len(pos) - window:] if window > 0 else pos[:0]
         return np.concatenate([sinks, recent])
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        return StepRule("sink_recent", n_sink=self.n_sink)

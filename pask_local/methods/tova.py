@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method, top_k_positions
+from .base import LayerView, Method, StepRule, top_k_positions
 
 
 class TOVA(Method):
@@ -21,3 +21,6 @@ class TOVA(Method):
             return np.sort(view.positions)
         newest = view.positions == view.positions.max()
         return top_k_positions(view.positions, view.scores, capacity, protect=newest)
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        return StepRule("topk", protect_newest=1)

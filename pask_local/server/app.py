@@ -68,6 +68,8 @@ class ServerConfig:
     queue_size: int = 8
     max_context: int = 0              # prompt + max_tokens per request; 0: the model's trained context
     max_body_bytes: int = 16 << 20
+    flash_attn: bool = False          # EngineConfig.flash_attn of every request
+    hysteresis: int = 0               # EngineConfig.hysteresis of every request
 
 
 def finish_reason(result: EngineResult) -> str:
@@ -111,8 +113,9 @@ class Server:
 
     def engine(self, req: ChatRequest) -> Engine:
         try:
-            return Engine(self.model, self.method(req.method), EngineConfig(budget=req.budget,
-                                                                            max_tokens=req.max_tokens))
+            cfg = EngineConfig(budget=req.budget, max_tokens=req.max_tokens, flash_attn=self.cfg.flash_attn,
+                               hysteresis=self.cfg.hysteresis)
+            return Engine(self.model, self.method(req.method), cfg)
         except PaskError as exc:
             raise bad_request(str(exc), "pask") from None
 

@@ -14,7 +14,14 @@ from typing import Annotated
 
 import typer
 
-from ..cli_options import ModelOption, check_generation_options
+from ..cli_options import (
+    FlashAttnOption,
+    HysteresisOption,
+    ModelOption,
+    NglOption,
+    check_device_options,
+    check_generation_options,
+)
 from ..errors import PaskError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -58,6 +65,9 @@ def serve_command(
                                                  "the --model name, or the GGUF file's stem.",
                                                  show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "info",
+    ngl: NglOption = 0,
+    flash_attn: FlashAttnOption = False,
+    hysteresis: HysteresisOption = 0,
 ) -> None:
     """Serve an OpenAI-compatible /v1/chat/completions endpoint (tools, streaming) for one model.
 
@@ -67,6 +77,7 @@ def serve_command(
     from ..model_registry import DEFAULT_MODEL
 
     check_generation_options(method, budget, max_tokens)
+    check_device_options(ngl, hysteresis)
     if slots < 1:
         raise PaskError(f"--slots must be >= 1, got {slots}")
     if queue < 0:
@@ -94,9 +105,10 @@ def serve_command(
     path = resolve_model(gguf, model)
     name = model_id or model or (path.stem if gguf else DEFAULT_MODEL)
     sock = _listen(host, port)
-    loaded = Model(path)
+    loaded = Model(path, n_gpu_layers=ngl)
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
-                                         slots=slots, queue_size=queue, max_context=max_context))
+                                         slots=slots, queue_size=queue, max_context=max_context,
+                                         flash_attn=flash_attn, hysteresis=hysteresis))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()

@@ -1,0 +1,237 @@
+"""The native persistence step (patch 0006) against the Python reference rules (``Method.select``).
+
+Oracle: each method's Python ``select``, written and tested before the native step existed. The
+native selection must keep the same positions on random views (every method, every PASK order);
+the engine on the real Gemma 270M must make the same evictions, step by step, with the native step
+as with the Python rules (one process: no cross-machine output is pinned); hysteresis must hold the
+budget and evict in batches; bad input to the C API is an error, never an abort.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from conftest import REPO
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pask_local.classes import StructuralClass
+from pask_local.engine import Engine, EngineConfig, make_method
+from pask_local.errors import NativeError
+from pask_local.llm import ContextConfig, Model
+from pask_local.methods import H2O, PASK, TOVA, LayerView, PyramidKV, SnapKV, StreamingLLM
+from pask_local.methods.base import StepRule
+from pask_local.native_step import LayerRule, NativeStep, select
+from pask_local.policy.handwritten import handwritten_policy
+from pask_local.schema.tools import read_tools
+
+N_CLASSES = len(StructuralClass)
+ORDERS = ["oldest-first", "newest-first", "span-head", "attention"]
+
+
+def pask_method(order: str, budget: float, all_classes: np.ndarray, n_layer: int = 4, recent: int = 32) -> PASK:
+    pol = dataclasses.replace(handwritten_policy(n_layer), within_class_order=order)
+    m = PASK(pol, recent=recent)
+    m.capacities(budget, all_classes, n_layer)
+    return m
+
+
+@st.composite
+def views(draw):
+    n_all = draw(st.integers(min_value=2, max_value=160))
+    # few distinct classes make long same-class runs (span-head) and many ties inside a class
+    palette = draw(st.lists(st.integers(0, N_CLASSES - 1), min_size=1, max_size=6))
+    all_classes = np.array(draw(st.lists(st.sampled_from(palette), min_size=n_all, max_size=n_all)), dtype=np.int64)
+    held = draw(st.lists(st.integers(0, n_all - 1), min_size=1, max_size=n_all, unique=True))
+    pos = np.array(held, dtype=np.int64)  # any order, as cells hold them
+    scores = np.array(draw(st.lists(st.floats(0, 4, allow_nan=False, width=32), min_size=len(pos),
+                                    max_size=len(pos))), dtype=np.float64)
+    capacity = draw(st.integers(min_value=0, max_value=len(pos) + 2))
+    prompt_len = draw(st.integers(min_value=0, max_value=n_all))
+    layer = draw(st.integers(0, 3))
+    return all_classes, pos, scores, capacity, prompt_len, layer
+
+
+def both(method, view: LayerView, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    ref = np.sort(method.select(view, capacity))
+    rule = method.step_rule(view.layer, view.n_layer, view.prompt_len)
+    nat = select(rule, view.positions, view.classes, view.scores, view.all_classes, view.prompt_len, capacity)
+    return ref, nat
+
+
+@settings(max_examples=150, deadline=None)
+@given(views(), st.sampled_from(["h2o", "tova", "snapkv", "pyramidkv", "streaming"]))
+def test_native_select_equals_python_baselines(v, name):
+    all_classes, pos, scores, capacity, prompt_len, layer = v
+    method = {"h2o": H2O(), "tova": TOVA(), "snapkv": SnapKV(), "pyramidkv": PyramidKV(),
+              "streaming": StreamingLLM()}[name]
+    view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], scores=scores,
+                     prompt_len=prompt_len, all_classes=all_classes)
+    ref, nat = both(method, view, capacity)
+    assert nat.tolist() == ref.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(views(), st.sampled_from(ORDERS), st.floats(0.05, 1.0), st.sampled_from([0, 4, 32]))
+def test_native_select_equals_python_pask(v, order, budget, recent):
+    all_classes, pos, scores, capacity, prompt_len, layer = v
+    method = pask_method(order, budget, all_classes, recent=recent)
+    view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos],
+                     scores=scores if order == "attention" else None, prompt_len=prompt_len,
+                     all_classes=all_classes)
+    ref, nat = both(method, view, capacity)
+    assert nat.tolist() == ref.tolist()
+
+
+def test_native_select_can_disagree_with_a_wrong_rule():
+    """The oracle test has teeth: a rule that differs from the method's (newest vs oldest first) is caught."""
+    all_classes = np.array([0] + [6] * 40, dtype=np.int64)  # sink + one long description span
+    pos = np.arange(41)
+    m = pask_method("oldest-first", 0.3, all_classes, recent=0)
+    view = LayerView(layer=0, n_layer=4, positions=pos, classes=all_classes[pos], prompt_len=41,
+                     all_classes=all_classes)
+    ref = np.sort(m.select(view, 12))
+    wrong = dataclasses.replace(m.step_rule(0, 4, 41), order="newest-first")
+    nat = select(wrong, pos, all_classes[pos], None, all_classes, 41, 12)
+    assert nat.tolist() != ref.tolist()
+
+
+# ------------------------------------------------------------------ the engine, native vs reference
+EXAMPLE = ("get_weather.json", "What is the weather like in Paris today? Answer in celsius.")
+
+
+@pytest.fixture(scope="module")
+def model(gemma_path) -> Model:
+    return Model(gemma_path)
+
+
+def evictions(trace) -> dict[tuple[int, int, str], set[int]]:
+    out: dict[tuple[int, int, str], set[int]] = defaultdict(set)
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "evict":
+            out[(rec["step"], rec["layer"], rec["rule"])] |= set(rec["positions"])
+    return dict(out)
+
+
+def run(model, method, budget, tmp_path, tag, **cfg):
+    tools = read_tools(REPO / "examples" / EXAMPLE[0])
+    engine = Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=48, **cfg))
+    trace = tmp_path / f"{method}-{tag}.jsonl"
+    return engine.run(tools, EXAMPLE[1], trace=trace), trace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["pask", "pask-attn", "h2o", "tova", "snapkv", "pyramidkv", "streaming"])
+def test_engine_native_step_equals_python_reference(model, method, tmp_path):
+    ref, ref_trace = run(model, method, 0.33, tmp_path, "ref", native_step=False)
+    nat, nat_trace = run(model, method, 0.33, tmp_path, "nat", native_step=True)
+    ev_ref, ev_nat = evictions(ref_trace), evictions(nat_trace)
+    assert any(k[0] >= 0 for k in ev_ref), "the reference run never evicted while decoding: the check is empty"
+    assert ev_nat == ev_ref
+    assert nat.tokens == ref.tokens
+    assert nat.stats["held_per_group"] == ref.stats["held_per_group"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["pask", "h2o"])
+def test_hysteresis_holds_the_budget_and_evicts_in_batches(model, method, tmp_path):
+    k = 8
+    plain, plain_trace = run(model, method, 0.33, tmp_path, "h0")
+    batched, batched_trace = run(model, method, 0.33, tmp_path, "h8", hysteresis=k)
+    assert batched.stats["max_over_budget_entries"] <= 0
+    assert batched.ok, batched.error
+    decode = {key: v for key, v in evictions(batched_trace).items() if key[0] >= 0 and key[2] != "window"}
+    assert decode, "no decode-time eviction to check"
+    # each over-target layer goes from target + 1 down to target - k: k + 1 entries at once
+    assert all(len(v) >= k + 1 for v in decode.values())
+    n_plain = sum(1 for key in evictions(plain_trace) if key[0] >= 0 and key[2] != "window")
+    assert len(decode) * 4 < n_plain
+
+
+# ------------------------------------------------------------------ the C API refuses bad input
+def test_step_refuses_a_plain_context(model):
+    from pask_local.llm import Context
+
+    ctx = Context(model, ContextConfig(n_ctx=64))
+    rules = [LayerRule(StepRule("sink_recent", n_sink=4), cap=8, ratio=0.3)] * model.n_layer
+    with pytest.raises(NativeError, match="layered"):
+        NativeStep(ctx, rules, [0] * 10, 64, 10)
+    ctx.close()
+
+
+def test_step_refuses_bad_rules_and_positions(model):
+    from pask_local.kv_layered import LayeredContext
+
+    ctx = LayeredContext(model, [16] * model.n_layer, ContextConfig(n_ctx=64))
+    good = LayerRule(StepRule("sink_recent", n_sink=4), cap=8, ratio=0.3)
+    with pytest.raises(NativeError, match="one rule per layer"):
+        NativeStep(ctx, [good], [0] * 10, 64, 10)
+    bad = LayerRule(StepRule("topk", protect_ratio=2.0), cap=8, ratio=0.3)
+    with pytest.raises(NativeError, match="bad rule"):
+        NativeStep(ctx, [bad] * model.n_layer, [0] * 10, 64, 10)
+    with pytest.raises(NativeError, match="class 99"):
+        NativeStep(ctx, [good] * model.n_layer, [0] * 9 + [99], 64, 10)
+    step = NativeStep(ctx, [good] * model.n_layer, [0] * 10, 64, 10)
+    with pytest.raises(NativeError, match="not the next one"):
+        step.token(0, 12, 1)  # position 10 comes next
+    with pytest.raises(NativeError, match="no attention probe"):
+        step.collect(0)
+    with pytest.raises(NativeError, match="out of range"):
+        step.evict_to(model.n_layer, 4, 0, "policy")
+    step.close()
+    ctx.close()
+
+
+def test_select_refuses_bad_arrays():
+    rule = StepRule("quota", order="attention", keep=(0.5,) * N_CLASSES, rank=tuple(range(N_CLASSES)))
+    with pytest.raises(NativeError, match="needs scores"):
+        select(rule, [0, 1], [0, 0], None, [0, 0], 2, 1)
+    with pytest.raises(NativeError, match="out of range"):
+        select(StepRule("topk"), [-1], [0], [1.0], [0], 1, 0)
+    assert ctypes.sizeof(ctypes.c_double) == 8
+
+
+# ------------------------------------------------------------------ capacities rounded to 256
+@pytest.mark.slow
+def test_capacities_rounded_to_256_make_budget_one_logits_equal_full(model):
+    """With every layer's cells a multiple of 256 (upstream pads n_ctx the same way), the layered cache
+    at budget 1.0 computes exactly what upstream's cache computes: identical logits, not just close."""
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.llm import Context
+
+    tokens = model.tokenize("Readers may borrow up to five books at a time and must return them within three "
+                            "weeks; late returns cost ten cents a day, and the reading room closes at six.")
+    n_ctx = len(tokens) + 16  # not a multiple of 256: upstream pads it
+    cfg = ContextConfig(n_ctx=n_ctx, n_batch=64)
+    up = Context(model, cfg)
+    lay = LayeredContext(model, [-(-n_ctx // 256) * 256] * model.n_layer, cfg)
+    for c in (up, lay):
+        assert c.decode(tokens, 0) == 0
+    assert np.array_equal(np.asarray(lay.logits()), np.asarray(up.logits()))
+    up.close()
+    lay.close()
+
+
+@pytest.mark.slow
+def test_engine_capacities_are_aligned_and_the_cost_reported(model, tmp_path):
+    res, _ = run(model, "pask", 0.33, tmp_path, "align")
+    caps, s = res.stats["capacity_per_layer"], res.stats
+    assert all(c % 256 == 0 for c in caps)
+    assert 0 < s["kv_bytes_alignment"] < s["kv_bytes_allocated"]
+    plain, _ = run(model, "pask", 0.33, tmp_path, "noalign", cell_align=1)
+    assert plain.stats["kv_bytes_alignment"] == 0
+    assert s["kv_bytes_allocated"] - plain.stats["kv_bytes_allocated"] == s["kv_bytes_alignment"]
+
+
+@pytest.mark.slow
+def test_flash_attention_reaches_the_context_and_is_off_for_score_methods(model, tmp_path):
+    on, _ = run(model, "pask", 0.33, tmp_path, "fa", flash_attn=True)
+    assert on.stats["flash_attn"] is True and on.ok
+    scored, _ = run(model, "h2o", 0.33, tmp_path, "fa-h2o", flash_attn=True)
+    assert scored.stats["flash_attn"] is False  # the probe reads the explicit softmax
