@@ -25,6 +25,7 @@ class _Fns:
         self.init = bind("pask_attn_probe_init", p, [ctypes.c_int32, ctypes.c_int32])
         self.free = bind("pask_attn_probe_free", None, [p])
         self.reset = bind("pask_attn_probe_reset", None, [p])
+        self.set_enabled = bind("pask_attn_probe_set_enabled", None, [p, ctypes.c_int32])
         self.n_kv = bind("pask_attn_probe_n_kv", ctypes.c_int32, [p, ctypes.c_int32])
         self.get = bind("pask_attn_probe_get", ctypes.c_int32,
                         [p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32])
@@ -63,6 +64,10 @@ class AttentionProbe:
 
     def reset(self) -> None:
         self._f.reset(self._ptr)
+
+    def set_enabled(self, on: bool) -> None:
+        """Stop (False) or resume observing; a stopped probe costs the decode no host copies."""
+        self._f.set_enabled(self._ptr, int(on))
 
     def n_kv(self, il: int) -> int:
         n = self._f.n_kv(self._ptr, il)

@@ -18,16 +18,17 @@ NglOption = Annotated[int, typer.Option("--ngl", help="Model layers offloaded to
                                         "build: scripts/build_llama.py --cuda). 0: CPU only.")]
 FlashAttnOption = Annotated[bool, typer.Option("--flash-attn/--no-flash-attn", help="Flash attention (methods "
                                                "that rank by attention scores run without it).")]
-HysteresisOption = Annotated[int, typer.Option("--hysteresis", help="A layer over its budget evicts down to "
-                                               "budget - N entries at once, so selection runs every ~N tokens.")]
+HysteresisOption = Annotated[float, typer.Option("--hysteresis", help="A layer over its budget evicts this "
+                                                 "fraction of its prompt capacity more at once, so selection runs "
+                                                 "every ~F x capacity / (1 - budget) tokens; 0: every token.")]
 
 
-def check_device_options(ngl: int, hysteresis: int) -> None:
+def check_device_options(ngl: int, hysteresis: float) -> None:
     """``--ngl`` and ``--hysteresis`` (one PaskError line)."""
     if ngl < -1:
         raise PaskError(f"--ngl must be -1 (all layers) or >= 0, got {ngl}")
-    if hysteresis < 0:
-        raise PaskError(f"--hysteresis must be >= 0, got {hysteresis}")
+    if not 0.0 <= hysteresis <= 0.5:
+        raise PaskError(f"--hysteresis must be in [0, 0.5], got {hysteresis}")
 
 
 def check_generation_options(method: str, budget: float, max_tokens: int) -> None:

@@ -29,7 +29,7 @@ RULE_NAMES = {v: k for k, v in RULE_CODES.items()}
 class _Rule(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32), ("cap", ctypes.c_int32), ("ratio", ctypes.c_double),
-        ("swa_window", ctypes.c_int32), ("rule_code", ctypes.c_int32),
+        ("swa_window", ctypes.c_int32), ("rule_code", ctypes.c_int32), ("hysteresis", ctypes.c_int32),
         ("protect_newest", ctypes.c_int32), ("protect_ratio", ctypes.c_double),
         ("protect_from", ctypes.c_int32), ("pool_kernel", ctypes.c_int32), ("n_sink", ctypes.c_int32),
         ("recent", ctypes.c_int32), ("never_mask", ctypes.c_uint32), ("order", ctypes.c_int32),
@@ -46,6 +46,7 @@ class LayerRule:
     ratio: float
     swa_window: int = 0
     rule_code: str = "policy"
+    hysteresis: int = 0   # an over-target layer evicts down to target - hysteresis
 
 
 def _struct(lr: LayerRule) -> _Rule:
@@ -53,7 +54,7 @@ def _struct(lr: LayerRule) -> _Rule:
     if r.kind not in KINDS or r.order not in ORDERS:
         raise NativeError(f"unknown step rule kind {r.kind!r} or order {r.order!r}")
     out = _Rule(kind=KINDS[r.kind], cap=int(lr.cap), ratio=float(lr.ratio), swa_window=int(lr.swa_window),
-                rule_code=RULE_CODES[lr.rule_code], protect_newest=r.protect_newest,
+                rule_code=RULE_CODES[lr.rule_code], hysteresis=int(lr.hysteresis), protect_newest=r.protect_newest,
                 protect_ratio=float(r.protect_ratio), protect_from=r.protect_from, pool_kernel=r.pool_kernel,
                 n_sink=r.n_sink, recent=r.recent, order=ORDERS[r.order])
     out.never_mask = sum(1 << c for c in set(r.never))
@@ -68,7 +69,7 @@ class _Fns:
     def __init__(self) -> None:
         p, i32 = ctypes.c_void_p, ctypes.c_int32
         ip = ctypes.POINTER(i32)
-        self.init = bind("pask_step_init", p, [p, i32, ctypes.POINTER(_Rule), i32, ip, i32, i32, i32, i32, p, i32, i32])
+        self.init = bind("pask_step_init", p, [p, i32, ctypes.POINTER(_Rule), i32, ip, i32, i32, i32, i32, p, i32])
         self.free = bind("pask_step_free", None, [p])
         self.set_trace = bind("pask_step_set_trace", None, [p, i32])
         self.collect = bind("pask_step_collect", i32, [p, i32])
@@ -128,7 +129,7 @@ class NativeStep:
     """One request's native persistence step on a layered context (sequence ``seq_id``)."""
 
     def __init__(self, ctx, rules: Sequence[LayerRule], classes: Sequence[int], max_len: int, prompt_len: int,
-                 probe=None, score_stat: int = -1, hysteresis: int = 0, seq_id: int = 0) -> None:
+                 probe=None, score_stat: int = -1, seq_id: int = 0) -> None:
         self._f = _fns()
         self.n_layer = len(rules)
         arr = (_Rule * self.n_layer)(*[_struct(r) for r in rules])
@@ -136,7 +137,7 @@ class NativeStep:
         ptr = ctx.ptr if isinstance(ctx.ptr, int) else ctypes.cast(ctx.ptr, ctypes.c_void_p).value
         probe_ptr = probe._ptr if probe is not None else None
         self._ptr = self._f.init(ptr, seq_id, arr, self.n_layer, _iptr(cls), len(cls), MAX_CLASSES, max_len,
-                                 prompt_len, probe_ptr, score_stat, hysteresis)
+                                 prompt_len, probe_ptr, score_stat)
         if not self._ptr:
             _check(-4, "pask_step_init")
         self._held = (ctypes.c_int32 * self.n_layer)()

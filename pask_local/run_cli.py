@@ -84,7 +84,7 @@ def run_command(
                                       "temporary trace).")] = False,
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
-    hysteresis: HysteresisOption = 0,
+    hysteresis: HysteresisOption = 0.02,
 ) -> None:
     """Generate a schema-valid function call for REQUEST under a KV budget.
 

@@ -9,8 +9,9 @@ are against Full KV measured in the same process (machines are noisy: compare ra
 
 ``--tools N`` repeats the bundled example tools with renamed copies to lengthen the prompt
 (KV savings grow with context length). ``--step native,python`` runs each budgeted method with the
-native persistence step and with the Python reference rules (rows ``method[python]``);
-``--hysteresis K`` lets an over-target layer evict down to target - K. ``step ms`` is the time per
+native persistence step and with the Python reference rules (rows ``method (python)``);
+``--hysteresis F`` lets an over-target layer evict F x its prompt capacity more at once (0: exactly
+to target every token). ``step ms`` is the time per
 generated token spent in the persistence step (scores, selection, eviction, held counts), measured
 inside the engine; ``step %`` is its share of that method's TPOT.
 """
@@ -66,7 +67,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--step", default="native", help="comma list of native | python (the reference rules)")
-    ap.add_argument("--hysteresis", type=int, default=0)
+    ap.add_argument("--hysteresis", type=float, default=EngineConfig.hysteresis)
     args = ap.parse_args()
 
     try:
@@ -90,7 +91,7 @@ def main() -> int:
         engine = Engine(model, make_method(name, model), cfg)
         runs = [engine.run(tools, request) for _ in range(args.repeat)]
         s = runs[-1].stats
-        key = name if step == "native" else f"{name}[python]"
+        key = name if step == "native" else f"{name} (python)"
         rows[key] = {
             "n_prompt": s["n_prompt"], "n_gen": s["n_gen"],
             "prefill_ms": statistics.median(r.stats["prefill_ms"] for r in runs),

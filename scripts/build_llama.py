@@ -135,11 +135,61 @@ def cpu_flags(avx512: bool) -> list[str]:
     return flags + NO_AMX
 
 
-def cuda_flags(toolkit_roots: list[Path] | None = None) -> list[str]:
+CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"   # cuBLAS 13 headers + libraries (nvidia/cu13/{include,lib})
+CUDA_ARCHS = "86;89;90"                       # RTX 30 / RTX 40 laptops, H100/H200: no JIT at load
+
+
+def wheel_cublas(dirs: list[Path]) -> Path | None:
+    """The nvidia/cu13 directory of an installed nvidia-cublas wheel under one of ``dirs``, if any."""
+    for d in dirs:
+        root = d / "nvidia" / "cu13"
+        if (root / "include" / "cublas_v2.h").is_file() and any((root / "lib").glob("libcublas.so*")):
+            return root
+    return None
+
+
+def fetch_cublas_wheel(target: Path) -> Path:
+    """pip-install the pinned nvidia-cublas wheel into ``target`` (no deps); its nvidia/cu13 dir."""
+    log(f"fetching {CUBLAS_WHEEL} (cuBLAS headers and libraries) into {target}")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                           CUBLAS_WHEEL], capture_output=True, text=True)
+    root = wheel_cublas([target])
+    if proc.returncode != 0 or root is None:
+        raise BuildError(f"could not install {CUBLAS_WHEEL}: {_last_line(proc.stderr)}")
+    return root
+
+
+def cublas_link_dir(root: Path) -> Path:
+    """A lib dir with the unversioned libcublas.so / libcublasLt.so names CMake's FindCUDAToolkit links."""
+    link = root / "link"
+    link.mkdir(exist_ok=True)
+    for name in ("libcublas", "libcublasLt"):
+        real = sorted((root / "lib").glob(f"{name}.so.*"))
+        if not real:
+            raise BuildError(f"{root / 'lib'} has no {name}.so.*")
+        dst = link / f"{name}.so"
+        if dst.is_symlink() or dst.exists():
+            dst.unlink()
+        dst.symlink_to(real[0])
+    return link
+
+
+def _has_libcuda(roots: list[Path]) -> bool:
+    import ctypes.util
+
+    stubs = [p for r in roots for p in (*r.glob("lib64/stubs/libcuda.so"), *r.glob("targets/*/lib/stubs/libcuda.so"))]
+    return bool(stubs) or ctypes.util.find_library("cuda") is not None
+
+
+def cuda_flags(toolkit_roots: list[Path] | None = None, wheel_dirs: list[Path] | None = None,
+               fetch: bool = False) -> list[str]:
     """CMake flags for a CUDA build; BuildError when nvcc or the cuBLAS headers are missing.
 
     ``toolkit_roots``: where to look for include/cublas_v2.h besides nvcc's own toolkit
-    (default: $CUDA_HOME and /usr/local/cuda*).
+    (default: $CUDA_HOME and /usr/local/cuda*). Without them, cuBLAS comes from the pinned
+    ``nvidia-cublas`` wheel installed under one of ``wheel_dirs`` (default: the build cache's
+    cuda-deps and this interpreter's site-packages), which ``fetch`` installs when missing.
+    Architectures: ``CUDA_ARCHS``.
     """
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -149,12 +199,31 @@ def cuda_flags(toolkit_roots: list[Path] | None = None) -> list[str]:
     roots = [Path(nvcc).resolve().parent.parent, *toolkit_roots]
     headers = [r / "include" / "cublas_v2.h" for r in roots]
     headers += [h for r in roots for h in r.glob("targets/*/include/cublas_v2.h")]
-    if not any(h.is_file() for h in headers):
+    base = ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={CUDA_ARCHS}", *NO_AMX]
+    if not _has_libcuda(roots):
+        # no driver library (nor the toolkit's stub) to link: ggml-cuda then skips its VMM pool,
+        # the one feature that links libcuda directly (the legacy pool allocates instead)
+        base.append("-DGGML_CUDA_NO_VMM=ON")
+    if any(h.is_file() for h in headers):
+        return base
+    if wheel_dirs is None:
+        import site
+
+        wheel_dirs = [cache_dir() / "cuda-deps", *(Path(p) for p in site.getsitepackages())]
+    root = wheel_cublas(wheel_dirs)
+    if root is None and fetch:
+        root = fetch_cublas_wheel(cache_dir() / "cuda-deps")
+    if root is None:
         raise BuildError(
             "--cuda needs the cuBLAS headers (cublas_v2.h not found next to "
-            f"{nvcc}); install libcublas-dev / the CUDA toolkit's cuBLAS component"
+            f"{nvcc}, nor an installed {CUBLAS_WHEEL} wheel); install libcublas-dev / the CUDA toolkit's "
+            "cuBLAS component, or that wheel"
         )
-    return ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", *NO_AMX]
+    link = cublas_link_dir(root)
+    inc = root / "include"
+    return [*base, f"-DCUDA_cublas_LIBRARY={link / 'libcublas.so'}",
+            f"-DCUDA_cublasLt_LIBRARY={link / 'libcublasLt.so'}",
+            f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
 
 
 def parse_sanitize(text: str | None) -> tuple[str, ...]:
@@ -187,7 +256,7 @@ def make_plan(cuda: bool, avx512: bool | None = None, repo: Path = REPO_ROOT,
         avx512 = host_has_avx512()
     if sanitize and cuda:
         raise BuildError("--sanitize builds are CPU builds (drop --cuda)")
-    flags = cuda_flags() if cuda else cpu_flags(avx512)
+    flags = cuda_flags(fetch=True) if cuda else cpu_flags(avx512)
     flags = [*flags, *SKIP_FLAGS, *sanitize_flags(tuple(sanitize)), f"-DPASK_PATCH_SERIES={series}"]
     return BuildPlan(PINNED_SHA256, series, tuple(flags), tuple(sanitize))
 
@@ -398,6 +467,17 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
     return wheel
 
 
+def build_only(cuda: bool, verbose: bool = False, repo: Path = REPO_ROOT) -> Path:
+    """Build (or find cached) the wheel for the current tree without installing it; its path."""
+    plan = make_plan(cuda, repo=repo)
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"build-{plan.flavour}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_build_backend()
+        return build_wheel(plan, repo, cache, verbose)
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "no output"
@@ -422,11 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print-key", action="store_true", help="print the cache key and exit")
     ap.add_argument("--sanitize", metavar="KINDS", help="build with sanitizers: address,undefined (needs --venv)")
     ap.add_argument("--venv", type=Path, help="install into this separate virtual environment (created if missing)")
+    ap.add_argument("--wheel-only", action="store_true",
+                    help="build and cache the wheel, print its path, install nothing (e.g. a CUDA wheel here)")
     args = ap.parse_args(argv)
     try:
         sanitize = parse_sanitize(args.sanitize)
         if args.print_key:
             print(make_plan(args.cuda, sanitize=sanitize).key)
+            return 0
+        if args.wheel_only:
+            print(build_only(args.cuda, args.verbose))
             return 0
         install(cuda=args.cuda, force=args.force, verbose=args.verbose, sanitize=sanitize, venv=args.venv)
     except BuildError as exc:

@@ -94,13 +94,26 @@ def test_cuda_without_cublas_fails_clearly(build_script, monkeypatch, tmp_path):
     nvcc.chmod(0o755)
     monkeypatch.setenv("PATH", str(fake))
     with pytest.raises(build_script.BuildError, match="cuBLAS"):
-        build_script.cuda_flags(toolkit_roots=[])
+        build_script.cuda_flags(toolkit_roots=[], wheel_dirs=[])
+    # the pinned nvidia-cublas wheel's layout: nvidia/cu13/{include,lib}, versioned sonames only
+    wheel = tmp_path / "site" / "nvidia" / "cu13"
+    (wheel / "include").mkdir(parents=True)
+    (wheel / "lib").mkdir()
+    (wheel / "include" / "cublas_v2.h").write_text("")
+    for name in ("libcublas.so.13", "libcublasLt.so.13"):
+        (wheel / "lib" / name).write_text("")
+    flags = build_script.cuda_flags(toolkit_roots=[], wheel_dirs=[tmp_path / "site"])
+    assert f"-DCMAKE_CUDA_ARCHITECTURES={build_script.CUDA_ARCHS}" in flags
+    assert "86" in build_script.CUDA_ARCHS and "89" in build_script.CUDA_ARCHS and "90" in build_script.CUDA_ARCHS
+    lib = next(f for f in flags if f.startswith("-DCUDA_cublas_LIBRARY=")).split("=", 1)[1]
+    assert Path(lib).name == "libcublas.so" and Path(lib).resolve() == (wheel / "lib" / "libcublas.so.13").resolve()
+    assert f"-DCMAKE_CUDA_FLAGS=-I{wheel / 'include'}" in flags
     (tmp_path / "cuda" / "include").mkdir()
     (tmp_path / "cuda" / "include" / "cublas_v2.h").write_text("")
-    assert "-DGGML_CUDA=ON" in build_script.cuda_flags(toolkit_roots=[])
+    assert "-DGGML_CUDA=ON" in build_script.cuda_flags(toolkit_roots=[], wheel_dirs=[])
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(build_script.BuildError, match="nvcc"):
-        build_script.cuda_flags(toolkit_roots=[])
+        build_script.cuda_flags(toolkit_roots=[], wheel_dirs=[])
 
 
 def test_installed_libllama_reports_the_series_hash(build_script):

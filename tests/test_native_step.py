@@ -130,7 +130,7 @@ def run(model, method, budget, tmp_path, tag, **cfg):
 @pytest.mark.parametrize("method", ["pask", "pask-attn", "h2o", "tova", "snapkv", "pyramidkv", "streaming"])
 def test_engine_native_step_equals_python_reference(model, method, tmp_path):
     ref, ref_trace = run(model, method, 0.33, tmp_path, "ref", native_step=False)
-    nat, nat_trace = run(model, method, 0.33, tmp_path, "nat", native_step=True)
+    nat, nat_trace = run(model, method, 0.33, tmp_path, "nat", native_step=True, hysteresis=0.0)
     ev_ref, ev_nat = evictions(ref_trace), evictions(nat_trace)
     assert any(k[0] >= 0 for k in ev_ref), "the reference run never evicted while decoding: the check is empty"
     assert ev_nat == ev_ref
@@ -141,15 +141,15 @@ def test_engine_native_step_equals_python_reference(model, method, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["pask", "h2o"])
 def test_hysteresis_holds_the_budget_and_evicts_in_batches(model, method, tmp_path):
-    k = 8
-    plain, plain_trace = run(model, method, 0.33, tmp_path, "h0")
-    batched, batched_trace = run(model, method, 0.33, tmp_path, "h8", hysteresis=k)
+    plain, plain_trace = run(model, method, 0.33, tmp_path, "h0", hysteresis=0.0)
+    batched, batched_trace = run(model, method, 0.33, tmp_path, "h10", hysteresis=0.1)
     assert batched.stats["max_over_budget_entries"] <= 0
     assert batched.ok, batched.error
     decode = {key: v for key, v in evictions(batched_trace).items() if key[0] >= 0 and key[2] != "window"}
     assert decode, "no decode-time eviction to check"
-    # each over-target layer goes from target + 1 down to target - k: k + 1 entries at once
-    assert all(len(v) >= k + 1 for v in decode.values())
+    # each over-target layer goes from target + 1 down to target - 0.1 x its capacity: several at once
+    assert all(len(v) >= 2 for v in decode.values())
+    assert all(len(v) == 1 for key, v in evictions(plain_trace).items() if key[0] >= 0 and key[2] != "window")
     n_plain = sum(1 for key in evictions(plain_trace) if key[0] >= 0 and key[2] != "window")
     assert len(decode) * 4 < n_plain
 
@@ -172,9 +172,10 @@ def test_step_refuses_bad_rules_and_positions(model):
     good = LayerRule(StepRule("sink_recent", n_sink=4), cap=8, ratio=0.3)
     with pytest.raises(NativeError, match="one rule per layer"):
         NativeStep(ctx, [good], [0] * 10, 64, 10)
-    bad = LayerRule(StepRule("topk", protect_ratio=2.0), cap=8, ratio=0.3)
-    with pytest.raises(NativeError, match="bad rule"):
-        NativeStep(ctx, [bad] * model.n_layer, [0] * 10, 64, 10)
+    for bad in (LayerRule(StepRule("topk", protect_ratio=2.0), cap=8, ratio=0.3),
+                LayerRule(StepRule("topk"), cap=8, ratio=0.3, hysteresis=-1)):
+        with pytest.raises(NativeError, match="bad rule"):
+            NativeStep(ctx, [bad] * model.n_layer, [0] * 10, 64, 10)
     with pytest.raises(NativeError, match="class 99"):
         NativeStep(ctx, [good] * model.n_layer, [0] * 9 + [99], 64, 10)
     step = NativeStep(ctx, [good] * model.n_layer, [0] * 10, 64, 10)

@@ -17,7 +17,7 @@ when a layer passes its budget (which grows with the sequence: budget x tokens s
 The per-token work (class bookkeeping, attention scores, selection, eviction by cell index) runs
 in the native persistence step (``native_step``, patch 0006) from each method's ``step_rule``: one
 native call per generated token, evicting a layer in one batch down to its target minus
-``hysteresis``. ``EngineConfig.native_step=False`` runs the Python reference (``Method.select``).
+``hysteresis`` x its prompt capacity. ``EngineConfig.native_step=False`` runs the Python reference (``Method.select``).
 Every count reported (held entries, bytes) is read from the native cache, not from Python. The
 engine reads what a method needs from its declared attributes (``methods.base.Method``), never
 from its name.
@@ -68,7 +68,8 @@ class EngineConfig:
     max_string: int | None = 128  # characters per string value (bounds runaway strings)
     max_calls: int | None = 8     # calls in a parallel list
     native_step: bool = True      # per-token eviction in the native step (False: Python reference rules)
-    hysteresis: int = 0           # native step: a layer over target evicts down to target - hysteresis
+    hysteresis: float = 0.02      # native step: a layer over target evicts this fraction of its prompt
+                                  # capacity more at once (0: exactly to target, as the reference rules)
     cell_align: int = 256         # layered capacities round up to a multiple of this (as upstream pads n_ctx)
     flash_attn: bool = False      # flash attention (off for methods that read attention scores: the probe)
 
@@ -119,6 +120,8 @@ class Engine:
         self.decoder_factory = decoder_factory  # builds each request's token chooser (eval.fidelity: forced)
         if not 0.0 < self.cfg.budget <= 1.0:
             raise PaskError(f"budget must be in (0, 1], got {self.cfg.budget}")
+        if not 0.0 <= self.cfg.hysteresis <= 0.5:
+            raise PaskError(f"hysteresis must be in [0, 0.5], got {self.cfg.hysteresis}")
         self.swa, self.window = swa_layers(model)
 
     # ----------------------------------------------------------------- public
@@ -251,11 +254,11 @@ class _Run:
         code = "score" if self.needs_attn else "policy"
         rules = [LayerRule(self.method.step_rule(il, self.n_layer, self.n_prompt), cap=self.caps[il],
                            ratio=self.ratio[il], rule_code=code,
-                           swa_window=self.e.window if il in self.e.swa and self.e.window > 0 else 0)
+                           swa_window=self.e.window if il in self.e.swa and self.e.window > 0 else 0,
+                           hysteresis=int(self.cfg.hysteresis * self.caps[il]))
                  for il in range(self.n_layer)]
         stat = self._incremental_stat() if self.scores_each_decode else -1
-        step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat,
-                          self.cfg.hysteresis)
+        step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat)
         step.set_trace(self.trace.enabled)
         return step
 
@@ -391,6 +394,8 @@ class _Run:
                 self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
+        if self.probe is not None and not self.scores_each_decode:
+            self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
 
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..cli_options import ModelOption
+from ..cli_options import HysteresisOption, ModelOption, check_device_options
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
 from .generator import KNOWN_METHODS
@@ -66,6 +66,7 @@ def eval_command(
                                            "own output: KL(Full || method) and top-1 agreement per generated "
                                            "class, and the gold call's NLL (about 3x the generation time; "
                                            "docs/fidelity.md).")] = False,
+    hysteresis: HysteresisOption = 0.02,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -92,10 +93,11 @@ def eval_command(
         raise PaskError(f"answers file not found: {answers}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
+    check_device_options(0, hysteresis)
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
-                     prompt_style=prompt_style, fidelity=fidelity)
+                     prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -64,12 +64,14 @@ class GeneratorSpec:
     reuse_prefix: bool = True
     use_examples: bool = True
     prompt_style: str = "auto"     # auto | native | plain (eval.prompting.PROMPT_STYLES)
+    hysteresis: float = 0.02       # EngineConfig.hysteresis (the native step's batched eviction)
 
     def engine_config(self, budget: float) -> Any:
-        """The ``EngineConfig`` a method runs this spec with (its budget, limit and prompt style)."""
+        """The ``EngineConfig`` a method runs this spec with (budget, limit, prompt style, hysteresis)."""
         from ..engine import EngineConfig
 
-        return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style])
+        return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style],
+                            hysteresis=self.hysteresis)
 
 
 def check_methods(names: list[str]) -> list[str]:

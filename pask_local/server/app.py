@@ -69,7 +69,7 @@ class ServerConfig:
     max_context: int = 0              # prompt + max_tokens per request; 0: the model's trained context
     max_body_bytes: int = 16 << 20
     flash_attn: bool = False          # EngineConfig.flash_attn of every request
-    hysteresis: int = 0               # EngineConfig.hysteresis of every request
+    hysteresis: float = 0.02          # EngineConfig.hysteresis of every request
 
 
 def finish_reason(result: EngineResult) -> str:

@@ -67,7 +67,7 @@ def serve_command(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "info",
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
-    hysteresis: HysteresisOption = 0,
+    hysteresis: HysteresisOption = 0.02,
 ) -> None:
     """Serve an OpenAI-compatible /v1/chat/completions endpoint (tools, streaming) for one model.
 
