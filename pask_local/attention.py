@@ -10,11 +10,12 @@ query's attention averaged over heads (``LAST``). The callback runs natively: no
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
 from .errors import NativeError
-from .native import bind
+from .native import NativeHandle, bind
 
 SUM, WINDOW, LAST = 0, 1, 2
 
@@ -34,17 +35,12 @@ class _Fns:
         self.cb_addr = ctypes.cast(lib().pask_attn_probe_cb, ctypes.c_void_p).value
 
 
-_FNS: _Fns | None = None
-
-
+@functools.cache
 def _fns() -> _Fns:
-    global _FNS
-    if _FNS is None:
-        _FNS = _Fns()
-    return _FNS
+    return _Fns()
 
 
-class AttentionProbe:
+class AttentionProbe(NativeHandle):
     def __init__(self, n_layer: int, n_window: int = 32) -> None:
         self._f = _fns()
         self.n_layer = n_layer
@@ -84,16 +80,8 @@ class AttentionProbe:
             self._f.get(self._ptr, il, what, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
         return out
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None):
-            self._f.free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _release(self, ptr) -> None:
+        self._f.free(ptr)
 
 
 _CELL_POS = None

@@ -45,6 +45,26 @@ def bind(name: str, restype: Any, argtypes: list[Any]) -> Any:
     return fn
 
 
+class NativeHandle:
+    """Owns one pointer to a native object (``_ptr``) and releases it once: ``close()`` or collection."""
+
+    _ptr = None
+
+    def _release(self, ptr) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None):
+            self._release(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 def patch_version() -> str:
     """The series hash compiled into libllama (sha256 prefix of patches/ + ggml_kernels/)."""
     return lib().pask_patch_version().decode()

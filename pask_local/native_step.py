@@ -10,6 +10,7 @@ native selection on explicit arrays, so tests can hold it against each method's 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from .errors import NativeError
 from .methods.base import StepRule
-from .native import bind
+from .native import NativeHandle, bind
 
 MAX_CLASSES = 32
 KINDS = {"quota": 0, "topk": 1, "sink_recent": 2}
@@ -83,14 +84,9 @@ class _Fns:
                             ctypes.POINTER(ctypes.c_uint8)])
 
 
-_FNS: _Fns | None = None
-
-
+@functools.cache
 def _fns() -> _Fns:
-    global _FNS
-    if _FNS is None:
-        _FNS = _Fns()
-    return _FNS
+    return _Fns()
 
 
 def _check(rc: int, what: str) -> int:
@@ -125,7 +121,7 @@ def select(rule: LayerRule | StepRule, positions: Sequence[int], classes: Sequen
     return np.sort(pos[keep[:len(pos)].astype(bool)].astype(np.int64))
 
 
-class NativeStep:
+class NativeStep(NativeHandle):
     """One request's native persistence step on a layered context (sequence ``seq_id``)."""
 
     def __init__(self, ctx, rules: Sequence[LayerRule], classes: Sequence[int], max_len: int, prompt_len: int,
@@ -173,13 +169,5 @@ class NativeStep:
             if n < len(self._ev) // 4:
                 return out
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None):
-            self._f.free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _release(self, ptr) -> None:
+        self._f.free(ptr)

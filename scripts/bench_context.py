@@ -37,15 +37,16 @@ QWEN3_4B_SHAPE = {"n_embd": 2560, "n_head": 32, "n_head_kv": 8, "head_dim": 128,
 REQUEST = "What is the weather like in Paris today? Please answer in celsius."
 
 
-def synthetic_qwen3_4b(out_dir: Path) -> Path:
-    from calibration.synthetic import write_synthetic_gguf
+def synthetic_qwen3_4b(out_dir: Path, n_layer: int = 36) -> Path:
+    from pask_local.calibration.synthetic import write_synthetic_gguf
 
-    path = out_dir / "synthetic-qwen3-4b-shaped-q4_0.gguf"
+    suffix = "" if n_layer == 36 else f"-{n_layer}layers"
+    path = out_dir / f"synthetic-qwen3-4b-shaped{suffix}-q4_0.gguf"
     if not path.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         print(f"[sweep] writing {path.name} (timing-only, random weights) ...", file=sys.stderr, flush=True)
         tmp = path.with_suffix(".tmp")
-        write_synthetic_gguf(tmp, arch="qwen3", n_layer=36, dtype="q4_0", **QWEN3_4B_SHAPE)
+        write_synthetic_gguf(tmp, arch="qwen3", n_layer=n_layer, dtype="q4_0", **QWEN3_4B_SHAPE)
         tmp.rename(path)
     return path
 
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--synthetic", choices=["qwen3-4b"], default=None)
     ap.add_argument("--synthetic-dir", type=Path, default=Path.home() / ".cache" / "pask-local" / "synthetic")
+    ap.add_argument("--synthetic-layers", type=int, default=36, help="fewer layers: a quicker timing-only model")
     ap.add_argument("--contexts", default="2048,8192,16384,32768")
     ap.add_argument("--methods", default="pask")
     ap.add_argument("--budgets", default="0.33,0.2")
@@ -126,7 +128,8 @@ def main() -> int:
         print("error: --contexts takes integers and --budgets numbers, comma-separated", file=sys.stderr)
         return 2
     try:
-        gguf = synthetic_qwen3_4b(args.synthetic_dir) if args.synthetic else resolve_model(args.gguf, args.model)
+        gguf = (synthetic_qwen3_4b(args.synthetic_dir, args.synthetic_layers) if args.synthetic
+                else resolve_model(args.gguf, args.model))
         model = Model(gguf)
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ from functools import cache
 import numpy as np
 
 from ..errors import NativeError, SchemaError
-from ..native import bind
+from ..native import NativeHandle, bind
 
 _INT32_P = ctypes.POINTER(ctypes.c_int32)
 
@@ -39,7 +39,7 @@ def _raw():
     return raw
 
 
-class GrammarState:
+class GrammarState(NativeHandle):
     """One grammar sampler over ``vocab`` (a llama_vocab pointer) and its exported parser state."""
 
     def __init__(self, vocab, grammar_text: str, root: str = "root") -> None:
@@ -56,16 +56,8 @@ class GrammarState:
         self.rule_names: list[str] = [self._fn["rule_name"](self._vp, i).decode() for i in range(n)]
         self._buf = (ctypes.c_int32 * 256)()
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None):
-            _raw().llama_sampler_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _release(self, ptr) -> None:
+        _raw().llama_sampler_free(ptr)
 
     @property
     def ptr(self):
