@@ -79,6 +79,7 @@ class _Fns:
         self.token = bind("pask_step_token", i32, [p, i32, i32, i32, ip])
         self.append_class = bind("pask_step_append_class", i32, [p, i32])
         self.take_events = bind("pask_step_take_events", i32, [p, ip, i32])
+        self.compact = bind("pask_step_compact", i32, [p])
         self.select = bind("pask_step_select", i32,
                            [ctypes.POINTER(_Rule), ip, ip, ctypes.POINTER(ctypes.c_double), i32, ip, i32, i32, i32,
                             ctypes.POINTER(ctypes.c_uint8)])
@@ -155,6 +156,10 @@ class NativeStep(NativeHandle):
         """After decoding generated token ``n_gen`` (class ``cls``, at ``pos``): entries held per layer."""
         _check(self._f.token(self._ptr, cls, pos, n_gen, self._held), "pask_step_token")
         return list(self._held)
+
+    def compact(self) -> int:
+        """Move every layer's held cells to its lowest indices (n_kv then spans only them); cells moved."""
+        return _check(self._f.compact(self._ptr), "pask_step_compact")
 
     def append_class(self, cls: int) -> None:
         _check(self._f.append_class(self._ptr, cls), "pask_step_append_class")

@@ -130,7 +130,8 @@ def run(model, method, budget, tmp_path, tag, **cfg):
 @pytest.mark.parametrize("method", ["pask", "pask-attn", "h2o", "tova", "snapkv", "pyramidkv", "streaming"])
 def test_engine_native_step_equals_python_reference(model, method, tmp_path):
     ref, ref_trace = run(model, method, 0.33, tmp_path, "ref", native_step=False)
-    nat, nat_trace = run(model, method, 0.33, tmp_path, "nat", native_step=True, hysteresis=0.0)
+    # hysteresis 0 and no compaction: the native step then evicts, and lays out cells, as the reference
+    nat, nat_trace = run(model, method, 0.33, tmp_path, "nat", native_step=True, hysteresis=0.0, compact=False)
     ev_ref, ev_nat = evictions(ref_trace), evictions(nat_trace)
     assert any(k[0] >= 0 for k in ev_ref), "the reference run never evicted while decoding: the check is empty"
     assert ev_nat == ev_ref
@@ -236,3 +237,62 @@ def test_flash_attention_reaches_the_context_and_is_off_for_score_methods(model,
     assert on.stats["flash_attn"] is True and on.ok
     scored, _ = run(model, "h2o", 0.33, tmp_path, "fa-h2o", flash_attn=True)
     assert scored.stats["flash_attn"] is False  # the probe reads the explicit softmax
+
+
+# ------------------------------------------------------------------ compaction after a one-time compression
+@pytest.mark.parametrize("fa", [False, True])
+def test_compaction_gathers_the_held_cells_and_keeps_attention_as_upstream(tmp_path, fa):
+    """After scattered evictions, compaction moves every held cell (and its K/V rows, V transposed
+    without flash attention) below the held count; decoding then gives upstream's logits after the
+    same ``seq_rm`` (the oracle) up to the order of the attention sums. A synthetic qwen3 model with
+    an F32 KV cache, so that order noise is tiny and a misplaced row is not."""
+    import sys
+
+    from pask_local.attention import cell_positions
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.llm import Context
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from kv_layered_helpers import random_tokens, synthetic
+
+    model = Model(synthetic(tmp_path, "qwen3"))
+    n = 120
+    toks = random_tokens(n, model.n_vocab, seed=3)
+    cfg = ContextConfig(n_ctx=512, n_batch=128, type_k=0, type_v=0, flash_attn=fa)  # ggml type 0: F32
+    up, lay = Context(model, cfg), LayeredContext(model, [512] * model.n_layer, cfg)
+    for c in (up, lay):
+        assert c.decode(toks, 0) == 0
+    evicted = sorted(np.random.default_rng(0).choice(np.arange(4, n - 8), size=60, replace=False).tolist())
+    for il in range(model.n_layer):
+        lay.evict(il, evicted)
+    for p in evicted:
+        up.seq_rm(0, p, p + 1)
+    held = sorted(set(range(n)) - set(evicted))
+    step = NativeStep(lay, [LayerRule(StepRule("sink_recent", n_sink=4), cap=8, ratio=0.3)] * model.n_layer,
+                      [0] * n, 512, n)
+    assert step.compact() > 0
+    for il in range(model.n_layer):
+        cells = cell_positions(lay, il)
+        assert sorted(cells[cells >= 0].tolist()) == held                        # the same positions ...
+        assert (cells[:len(held)] >= 0).all() and (cells[len(held):] < 0).all()  # ... in the lowest cells
+    worst = scale = 0.0
+    for i, t in enumerate(random_tokens(12, model.n_vocab, seed=5)):
+        for c in (up, lay):
+            assert c.decode([t], n + i) == 0
+        ref = np.asarray(up.logits())
+        worst = max(worst, float(np.abs(np.asarray(lay.logits()) - ref).max()))
+        scale = max(scale, float(np.abs(ref).max()))
+    # seen here: 4.5e-6 without flash attention (logits up to 7.3), ~1e-2 with it (its F16 accumulation)
+    assert worst <= (2e-2 if fa else 1e-4) * scale
+    step.close()
+    for c in (up, lay):
+        c.close()
+
+
+@pytest.mark.slow
+def test_engine_compacts_after_a_one_time_compression(model, tmp_path):
+    """SnapKV prefills the prompt whole, compresses it once; compaction then lets n_kv shrink."""
+    res, _ = run(model, "snapkv", 0.33, tmp_path, "compact")
+    assert res.ok and res.stats["max_over_budget_entries"] <= 0
+    off, _ = run(model, "snapkv", 0.33, tmp_path, "nocompact", compact=False)
+    assert off.ok

@@ -72,6 +72,7 @@ class EngineConfig:
                                   # capacity more at once (0: exactly to target, as the reference rules)
     cell_align: int = 256         # layered capacities round up to a multiple of this (as upstream pads n_ctx)
     flash_attn: bool = False      # flash attention (off for methods that read attention scores: the probe)
+    compact: bool = True          # after a one-time compression, move the kept cells to the lowest indices
 
 
 @dataclass
@@ -394,6 +395,10 @@ class _Run:
                 self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
+            if self.step is not None and self.cfg.compact:
+                # the kept cells lie scattered over the whole prompt's cells: gather them at the
+                # bottom, so that decoding attends n_kv ~ the budget, not the prompt
+                self.step.compact()
         if self.probe is not None and not self.scores_each_decode:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
 
