@@ -111,3 +111,20 @@ def test_user_dataset_is_evaluated_whole_unless_a_split_is_given(tmp_path, cli):
     n_eval = sum(1 for i in range(23) if split_of(f"mine_{i}") == "eval")
     assert 5 < n_eval < 23     # the split really drops some of these ids, so the default matters
     assert f"5 of 23 cases from {path}: the eval split (hashed case ids) keeps {n_eval}, --limit 5" in split.stderr
+
+
+def test_eval_records_the_engine_settings_and_refuses_bad_hysteresis(tmp_path, cli):
+    """--hysteresis / --compact reach the run manifest (a directory made with other settings is
+    refused, not mixed); an out-of-range --hysteresis is a one-line error."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({**_entry(0), "ground_truth": [{"get_weather": {"city": ["Paris"]}}]}) + "\n")
+    out = tmp_path / "run"
+    made = cli("eval", "--dataset", str(path), "--report-only", "--hysteresis", "0", "--no-compact", "--out", str(out))
+    assert made.returncode == 0, made.stderr
+    manifest = json.loads((out / "run.json").read_text())
+    assert manifest["hysteresis"] == 0.0 and manifest["compact"] is False
+    other = cli("eval", "--dataset", str(path), "--report-only", "--out", str(out))
+    assert other.returncode != 0 and "different settings (hysteresis, compact)" in other.stderr
+    bad = cli("eval", "--dataset", str(path), "--report-only", "--hysteresis", "0.9", "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert "--hysteresis must be in [0, 0.5]" in bad.stderr

@@ -67,6 +67,9 @@ def eval_command(
                                            "class, and the gold call's NLL (about 3x the generation time; "
                                            "docs/fidelity.md).")] = False,
     hysteresis: HysteresisOption = 0.02,
+    compact: Annotated[bool, typer.Option("--compact/--no-compact", help="After a one-time compression (SnapKV, "
+                                          "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
+    = True,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -97,7 +100,8 @@ def eval_command(
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
-                     prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis)
+                     prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis,
+                     compact=compact)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

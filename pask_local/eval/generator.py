@@ -65,13 +65,14 @@ class GeneratorSpec:
     use_examples: bool = True
     prompt_style: str = "auto"     # auto | native | plain (eval.prompting.PROMPT_STYLES)
     hysteresis: float = 0.02       # EngineConfig.hysteresis (the native step's batched eviction)
+    compact: bool = True           # EngineConfig.compact (gather kept cells after a one-time compression)
 
     def engine_config(self, budget: float) -> Any:
         """The ``EngineConfig`` a method runs this spec with (budget, limit, prompt style, hysteresis)."""
         from ..engine import EngineConfig
 
         return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style],
-                            hysteresis=self.hysteresis)
+                            hysteresis=self.hysteresis, compact=self.compact)
 
 
 def check_methods(names: list[str]) -> list[str]:

@@ -54,6 +54,7 @@ class EvalConfig:
     use_examples: bool = True
     prompt_style: str = "auto"
     hysteresis: float = 0.02    # EngineConfig.hysteresis of every method
+    compact: bool = True        # EngineConfig.compact of every method
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
 
@@ -125,7 +126,7 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
         "model": str(cfg.gguf), "model_bytes": size, "split": cfg.split,
         "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
         "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
-        "hysteresis": cfg.hysteresis,
+        "hysteresis": cfg.hysteresis, "compact": cfg.compact,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
     }
 
@@ -175,7 +176,8 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
             if not todo:
                 continue
             spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
-                                 prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis)
+                                 prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis,
+                                 compact=cfg.compact)
             gen = factory(method, spec)
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0
