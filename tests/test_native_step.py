@@ -49,8 +49,11 @@ def views(draw):
     all_classes = np.array(draw(st.lists(st.sampled_from(palette), min_size=n_all, max_size=n_all)), dtype=np.int64)
     held = draw(st.lists(st.integers(0, n_all - 1), min_size=1, max_size=n_all, unique=True))
     pos = np.array(held, dtype=np.int64)  # any order, as cells hold them
-    scores = np.array(draw(st.lists(st.floats(0, 4, allow_nan=False, width=32), min_size=len(pos),
-                                    max_size=len(pos))), dtype=np.float64)
+    # continuous scores (Hypothesis' own floats shrink to runs of equal values, where a rule that
+    # protects the wrong positions keeps the same set), sometimes rounded so that ties occur too
+    scores = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).random(len(pos)) * 4
+    if draw(st.booleans()):
+        scores = np.round(scores, 1)
     capacity = draw(st.integers(min_value=0, max_value=len(pos) + 2))
     prompt_len = draw(st.integers(min_value=0, max_value=n_all))
     layer = draw(st.integers(0, 3))
@@ -64,8 +67,9 @@ def both(method, view: LayerView, capacity: int) -> tuple[np.ndarray, np.ndarray
     return ref, nat
 
 
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "pyramidkv", "streaming"])
 @settings(max_examples=150, deadline=None)
-@given(views(), st.sampled_from(["h2o", "tova", "snapkv", "pyramidkv", "streaming"]))
+@given(v=views())
 def test_native_select_equals_python_baselines(v, name):
     all_classes, pos, scores, capacity, prompt_len, layer = v
     method = {"h2o": H2O(), "tova": TOVA(), "snapkv": SnapKV(), "pyramidkv": PyramidKV(),
@@ -76,8 +80,9 @@ def test_native_select_equals_python_baselines(v, name):
     assert nat.tolist() == ref.tolist()
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @settings(max_examples=200, deadline=None)
-@given(views(), st.sampled_from(ORDERS), st.floats(0.05, 1.0), st.sampled_from([0, 4, 32]))
+@given(v=views(), budget=st.floats(0.05, 1.0), recent=st.sampled_from([0, 4, 32]))
 def test_native_select_equals_python_pask(v, order, budget, recent):
     all_classes, pos, scores, capacity, prompt_len, layer = v
     method = pask_method(order, budget, all_classes, recent=recent)
