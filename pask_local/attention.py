@@ -97,7 +97,7 @@ def cell_positions(ctx, il: int, seq_id: int = 0) -> np.ndarray:
         _CELL_POS = bind("pask_kv_cell_positions", ctypes.c_int32,
                          [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                           ctypes.c_int32])
-    ptr = ctx.ptr if isinstance(ctx.ptr, int) else ctypes.cast(ctx.ptr, ctypes.c_void_p).value
+    ptr = ctx.address
     n = _CELL_POS(ptr, il, seq_id, None, 0)
     if n < 0:
         raise NativeError(f"cell positions of layer {il}, sequence {seq_id}: {_last_error()}")

@@ -84,8 +84,7 @@ def _check(rc: int, what: str) -> int:
 
 
 def _ptr(ctx: Context) -> int:
-    p = ctx.ptr
-    return p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value
+    return ctx.address
 
 
 def _index(value: object, what: str) -> int:

@@ -241,6 +241,12 @@ class Context:
         return self._ptr
 
     @property
+    def address(self) -> int:
+        """The llama_context pointer as an int (for our ctypes bindings, whatever type ``ptr`` has)."""
+        p = self._ptr
+        return p if isinstance(p, int) else ctypes.cast(p, ctypes.c_void_p).value
+
+    @property
     def memory(self):
         return _raw().llama_get_memory(self._ptr)
 

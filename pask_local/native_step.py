@@ -77,7 +77,6 @@ class _Fns:
         self.evict_to = bind("pask_step_evict_to", i32, [p, i32, i32, i32, i32])
         self.drop_window = bind("pask_step_drop_window", i32, [p, i32, i32])
         self.token = bind("pask_step_token", i32, [p, i32, i32, i32, ip])
-        self.append_class = bind("pask_step_append_class", i32, [p, i32])
         self.take_events = bind("pask_step_take_events", i32, [p, ip, i32])
         self.compact = bind("pask_step_compact", i32, [p])
         self.select = bind("pask_step_select", i32,
@@ -131,9 +130,8 @@ class NativeStep(NativeHandle):
         self.n_layer = len(rules)
         arr = (_Rule * self.n_layer)(*[_struct(r) for r in rules])
         cls = _i32(classes)
-        ptr = ctx.ptr if isinstance(ctx.ptr, int) else ctypes.cast(ctx.ptr, ctypes.c_void_p).value
         probe_ptr = probe._ptr if probe is not None else None
-        self._ptr = self._f.init(ptr, seq_id, arr, self.n_layer, _iptr(cls), len(cls), MAX_CLASSES, max_len,
+        self._ptr = self._f.init(ctx.address, seq_id, arr, self.n_layer, _iptr(cls), len(cls), MAX_CLASSES, max_len,
                                  prompt_len, probe_ptr, score_stat)
         if not self._ptr:
             _check(-4, "pask_step_init")
@@ -160,9 +158,6 @@ class NativeStep(NativeHandle):
     def compact(self) -> int:
         """Move every layer's held cells to its lowest indices (n_kv then spans only them); cells moved."""
         return _check(self._f.compact(self._ptr), "pask_step_compact")
-
-    def append_class(self, cls: int) -> None:
-        _check(self._f.append_class(self._ptr, cls), "pask_step_append_class")
 
     def events(self) -> list[tuple[int, int, int, str]]:
         """Evictions since the last call: (step, layer, position, rule), in the order they ran."""

@@ -22,6 +22,7 @@ Standard library only: it runs before anything else is installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -445,13 +446,7 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
     if not force and current and current.get("key") == plan.key:
         log(f"patched llama-cpp-python up to date (series {plan.series_hash}, key {plan.key})")
         return None
-    cache = cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    # one lock per flavour (its source tree and build dir): a long sanitizer or CUDA build does not
-    # hold up the CPU build of scripts/setup; the shared sdist is fetched atomically
-    with open(cache / f"build-{plan.flavour}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ensure_build_backend()
+    with _flavour_lock(plan) as cache:
         wheel = build_wheel(plan, repo, cache, verbose)
         log(f"installing {wheel.name}" + (f" into {venv}" if venv is not None else ""))
         proc = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
@@ -470,12 +465,23 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
 def build_only(cuda: bool, verbose: bool = False, repo: Path = REPO_ROOT) -> Path:
     """Build (or find cached) the wheel for the current tree without installing it; its path."""
     plan = make_plan(cuda, repo=repo)
+    with _flavour_lock(plan) as cache:
+        return build_wheel(plan, repo, cache, verbose)
+
+
+@contextlib.contextmanager
+def _flavour_lock(plan: BuildPlan):
+    """The build cache, held under this flavour's lock, with the build backend installed.
+
+    One lock per flavour (its source tree and build dir): a long sanitizer or CUDA build does not
+    hold up the CPU build of scripts/setup; the shared sdist is fetched atomically.
+    """
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"build-{plan.flavour}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_build_backend()
-        return build_wheel(plan, repo, cache, verbose)
+        yield cache
 
 
 def _last_line(text: str) -> str:

@@ -249,7 +249,6 @@ class _Run:
             self.step = self._native_step(max_len)
         self.scores = ([np.zeros(max_len + 1) for _ in range(self.n_layer)]
                        if self.needs_attn and self.step is None else None)
-        self.held_log: list[list[int]] = []
 
     def _native_step(self, max_len: int) -> NativeStep:
         code = "score" if self.needs_attn else "policy"
@@ -535,9 +534,10 @@ class _Run:
         if self.full:
             kv_bytes = kv_total_bytes(self.ctx)
         else:
-            kv_bytes = self.ctx.kv_bytes()
-            for il in range(self.n_layer):  # bytes of the cells added by rounding capacities up
-                rounding += sum(self.ctx.layer_bytes(il)) * (self.phys[il] - self.needed[il]) // self.phys[il]
+            per_layer = [sum(self.ctx.layer_bytes(il)) for il in range(self.n_layer)]
+            kv_bytes = sum(per_layer)
+            # of those, the bytes of the cells added by rounding capacities up to cell_align
+            rounding = sum(b * (self.phys[il] - self.needed[il]) // self.phys[il] for il, b in enumerate(per_layer))
         return {
             "method": self.method.name, "budget": None if self.full else self.cfg.budget,  # full KV: no budget
             "n_prompt": self.n_prompt, "n_gen": n_gen,
@@ -548,8 +548,8 @@ class _Run:
             "full_per_group": [sum(self.full_size(il, n_total) for il in layers) for layers in groups],
             "capacity_per_layer": list(self.phys),
             "kv_bytes_allocated": int(kv_bytes),
-            "kv_bytes_alignment": int(rounding),
-            "flash_attn": self.flash_attn,  # of kv_bytes_allocated: capacities rounded to cell_align
+            "kv_bytes_alignment": int(rounding),  # of kv_bytes_allocated: capacities rounded to cell_align
+            "flash_attn": self.flash_attn,
             "max_over_budget_entries": int(worst_over),
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),

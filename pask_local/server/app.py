@@ -68,8 +68,8 @@ class ServerConfig:
     queue_size: int = 8
     max_context: int = 0              # prompt + max_tokens per request; 0: the model's trained context
     max_body_bytes: int = 16 << 20
-    flash_attn: bool = False          # EngineConfig.flash_attn of every request
-    hysteresis: float = 0.02          # EngineConfig.hysteresis of every request
+    flash_attn: bool = EngineConfig.flash_attn  # EngineConfig.flash_attn of every request
+    hysteresis: float = EngineConfig.hysteresis  # EngineConfig.hysteresis of every request
 
 
 def finish_reason(result: EngineResult) -> str:
