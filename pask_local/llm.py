@@ -184,6 +184,7 @@ class ContextConfig:
     n_ctx: int = 4096
     n_batch: int = 512
     n_seq_max: int = 1
+    kv_unified: bool = False    # with n_seq_max > 1: one KV stream shared by all sequences (else one each)
     flash_attn: bool = False
     n_threads: int = 0          # 0: PASK_THREADS or all cores
     embeddings: bool = False
@@ -225,6 +226,7 @@ class Context:
         p.n_batch = cfg.n_batch
         p.n_ubatch = cfg.n_batch
         p.n_seq_max = cfg.n_seq_max
+        p.kv_unified = cfg.kv_unified
         threads = cfg.n_threads or default_threads()
         p.n_threads = threads
         p.n_threads_batch = threads
@@ -291,6 +293,23 @@ class Context:
             if status != 0:
                 return status
         return status
+
+    def decode_batch(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],
+                     logits: Sequence[bool]) -> int:
+        """One llama_decode of tokens of several sequences (row i: ``tokens[i]`` at ``positions[i]`` in
+        ``seq_ids[i]``, with logits if ``logits[i]``); returns its status. At most n_batch tokens."""
+        n = len(tokens)
+        if not 0 < n <= self.config.n_batch:
+            raise NativeError(f"a batch holds 1..{self.config.n_batch} tokens, got {n}")
+        b = self._batch
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq_ids[i]
+            b.logits[i] = 1 if logits[i] else 0
+        return _raw().llama_decode(self._ptr, b)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output row ``i`` (-1: the last output) as a float32 numpy view copy."""

@@ -34,7 +34,7 @@ from pask_local.server.scheduler import Cancelled, QueueFull, Scheduler
 from pask_local.server.streaming import ReplyStreamer
 
 MODEL_ID = "qwen2.5-coder-0.5b"
-SLOTS, QUEUE = 1, 3
+SLOTS, QUEUE = 2, 3
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city.",
@@ -59,9 +59,11 @@ def _free_socket() -> socket.socket:
     return sock
 
 
-@pytest.fixture(scope="module")
-def server(qwen05_path) -> Iterator[str]:
-    """The real app on a free port of 127.0.0.1, served by uvicorn in a thread; stops at module end."""
+@pytest.fixture(scope="module", params=["batched", "isolated"])
+def server(request, qwen05_path) -> Iterator[str]:
+    """The real app on a free port of 127.0.0.1, served by uvicorn in a thread; stops at module end.
+
+    Twice: continuous batching in one persistent context (the default), and a context per request."""
     import uvicorn
 
     from pask_local.llm import Model
@@ -71,7 +73,7 @@ def server(qwen05_path) -> Iterator[str]:
     os.environ["PASK_THREADS"] = old or "1"  # the test machine runs other jobs: one thread per llama context
     model = Model(qwen05_path)
     srv = Server(model, ServerConfig(MODEL_ID, Defaults(max_tokens=64), slots=SLOTS, queue_size=QUEUE,
-                                     max_context=2048))
+                                     max_context=2048, batch=request.param == "batched"))
     sock = _free_socket()
     userver = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
     thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -257,7 +259,7 @@ def test_conversation_with_a_tool_result(client) -> None:
 
 def test_concurrent_clients_are_all_answered(server, client) -> None:
     _wait_idle(server)
-    cities = ["Oslo", "Paris", "Rome"]  # one runs, the others wait in the queue
+    cities = ["Oslo", "Paris", "Rome"]  # two run, the third waits in the queue
 
     def ask(city: str) -> Any:
         return client.chat.completions.create(model=MODEL_ID, tools=[WEATHER], tool_choice="required",
@@ -302,10 +304,11 @@ def test_full_queue_is_429_and_the_server_recovers(server, client) -> None:
     _wait_idle(server)
     streams = []
     try:
-        first = client.chat.completions.create(model=MODEL_ID, messages=LONG_TEXT,
-                                               max_tokens=400, stream=True)
-        streams.append(first)
-        next(iter(first))  # it runs on the slot
+        for _ in range(SLOTS):
+            running = client.chat.completions.create(model=MODEL_ID, messages=LONG_TEXT,
+                                                     max_tokens=400, stream=True)
+            streams.append(running)
+            next(iter(running))  # it runs on a slot
         for _ in range(QUEUE):  # these wait (their response headers are out, no tokens yet)
             streams.append(client.chat.completions.create(model=MODEL_ID, messages=LONG_TEXT, max_tokens=400,
                                                           stream=True))
@@ -388,11 +391,39 @@ def test_bad_bodies_and_routes_are_4xx_with_the_error_shape(server, client) -> N
 def test_method_override_in_the_pask_field(client) -> None:
     r = client.chat.completions.create(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=96,
-                                       extra_body={"pask": {"method": "snapkv", "budget": 0.2}})
+                                       extra_body={"pask": {"method": "streaming", "budget": 0.2}})
     _check_call(r.choices[0].message.tool_calls[0], ("get_weather",))
     ext = r.model_extra["pask"]
-    assert ext["method"] == "snapkv" and ext["budget"] == 0.2
+    assert ext["method"] == "streaming" and ext["budget"] == 0.2
     assert ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
+
+
+def test_a_method_with_attention_scores_runs_only_unbatched(server, client) -> None:
+    batched = _http(server + "/health").json()["batch"]
+    kwargs = dict(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=96, extra_body={"pask": {"method": "snapkv", "budget": 0.2}})
+    if batched:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**kwargs)
+        assert info.value.status_code == 400 and "--no-batch" in info.value.message
+        _served(client)
+        return
+    r = client.chat.completions.create(**kwargs)
+    _check_call(r.choices[0].message.tool_calls[0], ("get_weather",))
+    ext = r.model_extra["pask"]
+    assert ext["method"] == "snapkv" and ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
+
+
+def test_batched_pool_reports_its_memory(server) -> None:
+    health = _http(server + "/health").json()
+    if not health["batch"]:
+        assert "pool" not in health and "pask_kv_pool_bytes" not in _http(server + "/metrics").text
+        return
+    pool = health["pool"]
+    assert pool["slots"] == SLOTS and pool["slot_len"] == 2048
+    assert pool["kv_bytes"] == SLOTS * pool["slot_bytes"] > 0
+    assert _metric(server, "pask_kv_pool_bytes") == pool["kv_bytes"]
+    assert pool["steps"] > 0 and pool["tokens_per_step"] >= 1.0
 
 
 # ---------------------------------------------------------------- the engine's hook

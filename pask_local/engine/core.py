@@ -98,6 +98,17 @@ TokenHook = Callable[[int], bool | None]
 
 
 @dataclass
+class SlotSpec:
+    """A request's place in a shared context (``engine.pool``): its sequence and its layers' cells."""
+
+    ctx: Context
+    seq_id: int
+    capacities: list[int]   # cells per layer in this sequence's stream
+    kv_bytes: int           # K/V bytes of this sequence's stream
+    flash_attn: bool = False
+
+
+@dataclass
 class Prepared:
     """A request planned and sized (``Engine.prepare``), ready for ``Engine.execute``."""
 
@@ -189,6 +200,21 @@ class Engine:
         finally:
             run.close()
 
+    def start_in_slot(self, prepared: Prepared, slot: SlotSpec, on_token: TokenHook | None = None) -> _Run:
+        """Begin a prepared request in a pool slot; the pool decodes its chunks and tokens (``engine.pool``)."""
+        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(None), slot)
+        try:
+            run.begin(prepared.plan, prepared.request, on_token)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+
+def slot_ready(method: Method) -> bool:
+    """Whether ``method`` can run in a pool slot: no attention statistics, no whole-prompt prefill."""
+    return method.keeps_all or not (method.needs_attention or method.compress_after_prefill)
+
 
 def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align if align > 1 else n
@@ -197,7 +223,8 @@ def _round_up(n: int, align: int) -> int:
 class _Run:
     """The state of one request: context, per-layer bookkeeping, scores, trace."""
 
-    def __init__(self, engine: Engine, prompt: Prompt, n_ctx: int, trace: TraceWriter) -> None:
+    def __init__(self, engine: Engine, prompt: Prompt, n_ctx: int, trace: TraceWriter,
+                 slot: SlotSpec | None = None) -> None:
         self.e = engine
         self.model = engine.model
         self.method = engine.method
@@ -212,17 +239,35 @@ class _Run:
             # a sliding-window layer's full KV is min(N, W): its share of the budget scales with it
             self.caps = [max(1, math.ceil(c * self.full_size(il, self.n_prompt) / self.n_prompt))
                          for il, c in enumerate(self.caps)]
+        self.slot = slot
+        self.seq_id = slot.seq_id if slot is not None else 0
+        max_len = self.n_prompt + self.cfg.max_tokens
+        if slot is not None and not self.method.keeps_all:
+            # a pool slot's layers have fixed cells: a layer's prompt capacity is cut so that its
+            # target after max_tokens plus one chunk in flight fits them
+            room = [max(1, (c - self.cfg.chunk - 1) * self.n_prompt // max_len) for c in slot.capacities]
+            self.clamped = sum(1 for il, c in enumerate(self.caps) if c > room[il])
+            self.caps = [min(c, room[il]) for il, c in enumerate(self.caps)]
+        else:
+            self.clamped = 0
         self.ratio = [c / self.n_prompt for c in self.caps]
         self.full = self.method.keeps_all
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
+        if slot is not None and not slot_ready(self.method):
+            raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
+                            f"prefill: it cannot run in a shared slot pool")
         self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
-        max_len = self.n_prompt + self.cfg.max_tokens
         self.flash_attn = self.cfg.flash_attn and not self.needs_attn
         cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window),
                              flash_attn=self.flash_attn)
-        if self.full:
+        if slot is not None:
+            self.ctx = slot.ctx
+            self.phys = list(slot.capacities)
+            self.needed = self.phys
+            self.flash_attn = slot.flash_attn
+        elif self.full:
             self.ctx: Context = Context(self.model, cfgc)
             self.phys = [n_ctx] * self.n_layer
             self.needed = self.phys
@@ -258,7 +303,7 @@ class _Run:
                            hysteresis=int(self.cfg.hysteresis * self.caps[il]))
                  for il in range(self.n_layer)]
         stat = self._incremental_stat() if self.scores_each_decode else -1
-        step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat)
+        step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat, self.seq_id)
         step.set_trace(self.trace.enabled)
         return step
 
@@ -289,7 +334,7 @@ class _Run:
 
     # ------------------------------------------------------------- KV ops
     def held(self, il: int) -> np.ndarray:
-        return np.asarray(self.ctx.positions(il), dtype=np.int64)
+        return np.asarray(self.ctx.positions(il, self.seq_id), dtype=np.int64)
 
     def evict_to(self, il: int, capacity: int, step: int, rule: str) -> None:
         if self.step is not None:
@@ -306,7 +351,7 @@ class _Run:
         keep = self.method.select(view, capacity)
         drop = np.setdiff1d(pos, keep)
         if len(drop):
-            self.ctx.evict(il, drop.tolist())
+            self.ctx.evict(il, drop.tolist(), self.seq_id)
             self._log_evict(il, drop, step, rule)
 
     def evict_swa_window(self, now: int, step: int) -> None:
@@ -321,7 +366,7 @@ class _Run:
             pos = self.held(il)
             old = pos[pos <= now - self.e.window]
             if len(old):
-                self.ctx.evict(il, old.tolist())
+                self.ctx.evict(il, old.tolist(), self.seq_id)
                 self._log_evict(il, old, step, "window")
 
     def _log_evict(self, il: int, positions: np.ndarray, step: int, rule: str) -> None:
@@ -338,7 +383,7 @@ class _Run:
     def held_counts(self) -> list[int]:
         if self.full:  # upstream cache: every layer holds what it can attend (SWA layers: the window)
             return [self.full_size(il, self.n_seq) for il in range(self.n_layer)]
-        return [self.ctx.used(il) for il in range(self.n_layer)]
+        return [self.ctx.used(il, self.seq_id) for il in range(self.n_layer)]
 
     # -------------------------------------------------------------- scores
     def collect_scores(self, what: int) -> None:
@@ -357,37 +402,41 @@ class _Run:
             np.add.at(self.scores[il], cells[:n][valid], stat[:n][valid])
 
     # ------------------------------------------------------------- prefill
-    def prefill(self) -> None:
-        toks = self.prompt.tokens
+    def prefill_bounds(self) -> list[tuple[int, int]]:
+        """The prompt's chunks [a, b), in decode order."""
         n = self.n_prompt
-        chunk = self.cfg.chunk
-        planned = self._prompt_plan() if self.method.plans_prompt else None
-        bounds = list(range(0, n, chunk)) + [n]
+        bounds = list(range(0, n, self.cfg.chunk)) + [n]
         if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
             # the observation window must lie in the last decoded chunk
             bounds[-2] = max(0, n - self.cfg.probe_window)
             bounds = sorted(set(bounds))
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            if self.probe is not None:
-                self.probe.reset()
-            if self.ctx.decode(toks[a:b], a) != 0:
-                raise NativeError(f"llama_decode failed on prompt tokens {a}..{b} (a layer ran out of cells)")
-            self.n_seq = b
-            if self.full:
-                continue
-            if self.scores_each_decode:
-                self.collect_scores(self._incremental_stat())
-            if planned is not None:
-                for il in range(self.n_layer):
-                    arrived = np.arange(a, b)
-                    drop = arrived[~planned[il][a:b]]
-                    if len(drop):
-                        self.ctx.evict(il, drop.tolist())
-                        self._log_evict(il, drop, -1, "policy")
-            elif not self.method.compress_after_prefill:
-                for il in range(self.n_layer):
-                    self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
-            self.evict_swa_window(b - 1, -1)
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def before_decode(self) -> None:
+        if self.probe is not None:
+            self.probe.reset()
+
+    def after_chunk(self, a: int, b: int) -> None:
+        """Prompt tokens [a, b) were decoded: evict what the method does not keep of them."""
+        self.n_seq = b
+        if self.full:
+            return
+        if self.scores_each_decode:
+            self.collect_scores(self._incremental_stat())
+        if self.planned is not None:
+            for il in range(self.n_layer):
+                arrived = np.arange(a, b)
+                drop = arrived[~self.planned[il][a:b]]
+                if len(drop):
+                    self.ctx.evict(il, drop.tolist(), self.seq_id)
+                    self._log_evict(il, drop, -1, "policy")
+        elif not self.method.compress_after_prefill:
+            for il in range(self.n_layer):
+                self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
+        self.evict_swa_window(b - 1, -1)
+
+    def end_prefill(self) -> None:
+        """The whole prompt is in: compress once (compress-after-prefill methods), start decoding."""
         if self.method.compress_after_prefill and not self.full:
             self.peak_prefill = self.held_counts()
             if self.needs_attn:
@@ -400,6 +449,9 @@ class _Run:
                 self.step.compact()
         if self.probe is not None and not self.scores_each_decode:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
+        self.after_prefill = self.held_counts()
+        self.t1 = time.perf_counter()
+        self.sampler = self.e.decoder_factory(self.model, self.plan)
 
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM
@@ -419,82 +471,110 @@ class _Run:
         return plan
 
     # ------------------------------------------------------------ the run
-    def execute(self, plan: Plan, request: str, on_token: TokenHook | None = None) -> EngineResult:
-        model = self.model
-        t0 = time.perf_counter()
+    def begin(self, plan: Plan, request: str, on_token: TokenHook | None = None) -> None:
+        """Start the request: trace header, the prompt plan; ``prefill_bounds`` come next."""
+        self.t0 = time.perf_counter()
+        self.plan = plan
+        self.on_token = on_token
         self._trace_header(plan.grammar, request)
         self.n_seq = 0
         self.peak_prefill: list[int] | None = None
-        self.prefill()
-        after_prefill = self.held_counts()
-        t1 = time.perf_counter()
+        self.planned = self._prompt_plan() if self.method.plans_prompt and not self.full else None
+        self.out: list[int] = []
+        self.out_classes: list[StructuralClass] = []
+        self.finish = "length"
+        self.pos = self.n_prompt
+        self.n_step = 0
+        self.worst_over = 0.0
+        self.step_s = 0.0  # time in the per-token persistence step (scores, selection, eviction, counts)
+        self.t_decode = 0.0
 
-        sampler = self.e.decoder_factory(model, plan)
-        logits = self.ctx.logits()
-        out: list[int] = []
-        classes: list[StructuralClass] = []
-        finish = "length"
-        pos = self.n_prompt
-        worst_over = 0.0
-        step_s = 0.0  # time in the per-token persistence step (scores, selection, eviction, counts)
-        for step in range(self.cfg.max_tokens):
-            tok = sampler.choose(logits)
-            if model.is_eog(tok):
-                finish = "eog"
-                break
-            cls = sampler.accept(tok)
-            out.append(tok)
-            classes.append(cls)
-            self.all_classes.append(list(StructuralClass).index(cls))
-            if self.trace.enabled:
-                self.trace.write("token", pos=pos, id=tok, text=model.piece(tok).decode("utf-8", "replace"),
-                                 cls=cls.value, phase="gen")
-            if on_token is not None and on_token(tok):
-                finish = "cancelled"
-                break
-            if sampler.done:
-                finish = "grammar"
-                break
-            if self.probe is not None:
-                self.probe.reset()
-            a = time.perf_counter()
-            if self.ctx.decode([tok], pos) != 0:
-                raise NativeError(f"llama_decode failed at position {pos} (a layer ran out of cells)")
-            self.n_seq = pos + 1
-            t_step = time.perf_counter()
-            if self.step is not None:  # one native call: scores, selection, eviction, window
-                held = self.step.token(self.all_classes[-1], pos, step + 1)
-                self._flush_events()
-            else:
-                if not self.full:
-                    if self.scores_each_decode:
-                        self.collect_scores(self._incremental_stat())
-                    for il in range(self.n_layer):
-                        self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
-                    self.evict_swa_window(pos, step)
-                held = self.held_counts()
-            step_s += time.perf_counter() - t_step
-            worst_over = max(worst_over, max(h - self._allowed(il, step + 1) for il, h in enumerate(held)))
-            if self.trace.enabled:
-                self.trace.write("step", step=step, pos=pos, kept=self._group_sums(held),
-                                 ms=(time.perf_counter() - a) * 1e3)
-            pos += 1
-            logits = self.ctx.logits()
+    def next_token(self, logits: np.ndarray) -> int | None:
+        """Choose the next token from ``logits``; None when the reply is finished (``self.finish``)."""
+        if self.n_step >= self.cfg.max_tokens:
+            return None
+        sampler = self.sampler
+        tok = sampler.choose(logits)
+        if self.model.is_eog(tok):
+            self.finish = "eog"
+            return None
+        cls = sampler.accept(tok)
+        self.out.append(tok)
+        self.out_classes.append(cls)
+        self.all_classes.append(list(StructuralClass).index(cls))
+        if self.trace.enabled:
+            self.trace.write("token", pos=self.pos, id=tok, text=self.model.piece(tok).decode("utf-8", "replace"),
+                             cls=cls.value, phase="gen")
+        if self.on_token is not None and self.on_token(tok):
+            self.finish = "cancelled"
+            return None
+        if sampler.done:
+            self.finish = "grammar"
+            return None
+        self.t_decode = time.perf_counter()
+        return tok
+
+    def after_token(self) -> None:
+        """The token ``next_token`` returned was decoded at ``self.pos``: the persistence step."""
+        step, pos = self.n_step, self.pos
+        self.n_seq = pos + 1
+        t_step = time.perf_counter()
+        if self.step is not None:  # one native call: scores, selection, eviction, window
+            held = self.step.token(self.all_classes[-1], pos, step + 1)
+            self._flush_events()
+        else:
+            if not self.full:
+                if self.scores_each_decode:
+                    self.collect_scores(self._incremental_stat())
+                for il in range(self.n_layer):
+                    self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
+                self.evict_swa_window(pos, step)
+            held = self.held_counts()
+        self.step_s += time.perf_counter() - t_step
+        self.worst_over = max(self.worst_over, max(h - self._allowed(il, step + 1) for il, h in enumerate(held)))
+        if self.trace.enabled:
+            self.trace.write("step", step=step, pos=pos, kept=self._group_sums(held),
+                             ms=(time.perf_counter() - self.t_decode) * 1e3)
+        self.pos += 1
+        self.n_step += 1
+
+    def result(self) -> EngineResult:
+        """The finished reply, parsed, with its stats."""
         t2 = time.perf_counter()
+        sampler = self.sampler
         sampler.close()
-
-        text = model.detokenize(out, special=True)
-        reply = plan.parse(text, finish, self.cfg.max_tokens)
+        text = self.model.detokenize(self.out, special=True)
+        reply = self.plan.parse(text, self.finish, self.cfg.max_tokens)
         parsed, calls, error = reply.parsed, reply.calls, reply.error
         if sampler.rejected:
             error = "the text after the call opener does not fit the call grammar"
-        stats = self._stats(after_prefill, len(out), t0, t1, t2, sampler, worst_over)
-        stats["step_ms_per_token"] = step_s * 1e3 / max(1, len(out))
+        stats = self._stats(self.after_prefill, len(self.out), self.t0, self.t1, t2, sampler, self.worst_over)
+        stats["step_ms_per_token"] = self.step_s * 1e3 / max(1, len(self.out))
         if self.trace.enabled:
             self.trace.write("final", output=text, valid=error is None, retained=self._retained(),
-                             n_prompt=self.n_prompt, n_gen=len(out), ms_per_token=stats["ms_per_token"])
-        return EngineResult(text=text, calls=calls, parsed=parsed, error=error, finish=finish,
-                            prompt=self.prompt, tokens=out, classes=classes, stats=stats, message=reply.message)
+                             n_prompt=self.n_prompt, n_gen=len(self.out), ms_per_token=stats["ms_per_token"])
+        return EngineResult(text=text, calls=calls, parsed=parsed, error=error, finish=self.finish,
+                            prompt=self.prompt, tokens=self.out, classes=self.out_classes, stats=stats,
+                            message=reply.message)
+
+    def execute(self, plan: Plan, request: str, on_token: TokenHook | None = None) -> EngineResult:
+        """Run the request alone in this run's own context."""
+        self.begin(plan, request, on_token)
+        toks = self.prompt.tokens
+        for a, b in self.prefill_bounds():
+            self.before_decode()
+            if self.ctx.decode(toks[a:b], a) != 0:
+                raise NativeError(f"llama_decode failed on prompt tokens {a}..{b} (a layer ran out of cells)")
+            self.after_chunk(a, b)
+        self.end_prefill()
+        tok = self.next_token(self.ctx.logits())
+        while tok is not None:
+            self.before_decode()
+            if self.ctx.decode([tok], self.pos) != 0:
+                raise NativeError(f"llama_decode failed at position {self.pos} (a layer ran out of cells)")
+            self.after_token()
+            tok = self.next_token(self.ctx.logits())
+        return self.result()
 
     # ----------------------------------------------------------- reporting
     def full_size(self, il: int, n_tokens: int) -> int:
@@ -519,7 +599,7 @@ class _Run:
                 continue
             common = None
             for il in layers:
-                s = set(self.ctx.positions(il))
+                s = set(self.ctx.positions(il, self.seq_id))
                 common = s if common is None else common & s
             out[str(g)] = sorted(common or [])
         return out
@@ -531,7 +611,9 @@ class _Run:
         full_prefill = sum(self.full_size(il, self.n_prompt) for il in range(self.n_layer))
         groups = self.groups()
         rounding = 0
-        if self.full:
+        if self.slot is not None:
+            kv_bytes = self.slot.kv_bytes
+        elif self.full:
             kv_bytes = kv_total_bytes(self.ctx)
         else:
             per_layer = [sum(self.ctx.layer_bytes(il)) for il in range(self.n_layer)]
@@ -550,6 +632,7 @@ class _Run:
             "kv_bytes_allocated": int(kv_bytes),
             "kv_bytes_alignment": int(rounding),  # of kv_bytes_allocated: capacities rounded to cell_align
             "flash_attn": self.flash_attn,
+            "slot_clamped_layers": self.clamped,  # layers whose prompt capacity a pool slot cut
             "max_over_budget_entries": int(worst_over),
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),
@@ -574,6 +657,7 @@ class _Run:
         self.trace.close()
         if self.step is not None:
             self.step.close()
-        self.ctx.close()
+        if self.slot is None:  # a pool's context outlives its requests
+            self.ctx.close()
         if self.probe is not None:
             self.probe.close()

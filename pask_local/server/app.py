@@ -28,8 +28,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..engine import Engine, EngineConfig, EngineResult, make_method
-from ..engine.core import Prepared
+from ..engine.core import Prepared, slot_ready
 from ..engine.factory import DEFAULT_POLICY_METHODS
+from ..engine.pool import PoolLayout, SlotPool
 from ..errors import ContextLengthError, PaskError
 from ..llm import Model
 from ..methods import Method
@@ -70,6 +71,13 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20
     flash_attn: bool = EngineConfig.flash_attn  # EngineConfig.flash_attn of every request
     hysteresis: float = EngineConfig.hysteresis  # EngineConfig.hysteresis of every request
+    batch: bool = True                # continuous batching in one persistent context (engine.pool)
+    kv_mem: int = 0                   # batch: K/V bytes the slots may take (0: ``slots`` slots)
+    slot_len: int = 0                 # batch: prompt + max_tokens per slot (0: max_context, else 4096)
+    prefill_tokens: int = 128         # batch: prompt tokens one step may carry (0: a chunk per prefilling slot)
+
+
+DEFAULT_SLOT_LEN = 4096
 
 
 def finish_reason(result: EngineResult) -> str:
@@ -93,12 +101,29 @@ class Server:
         self.model = model
         self.cfg = config
         self.created = now()
-        self.scheduler = Scheduler(config.slots, config.queue_size)
-        self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, config.slots,
-                               config.queue_size)
         self._policy: Policy | None = None
         self.warnings: list[str] = []
-        self.method(config.defaults.method)  # the default method must build: a bad policy fails at start-up
+        method = self.method(config.defaults.method)  # the default method must build: a bad policy fails here
+        self.pool: SlotPool | None = None
+        slots = config.slots
+        if config.batch:
+            if not slot_ready(method):
+                raise PaskError(f"method '{method.name}' reads attention scores or prefills the whole prompt "
+                                f"first: it cannot run batched; start with --no-batch")
+            layout = self.pool_layout(method)
+            self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens)
+            slots = layout.slots
+        self.scheduler = Scheduler(slots, config.queue_size)
+        self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, slots,
+                               config.queue_size, self.pool)
+
+    def pool_layout(self, method: Method) -> PoolLayout:
+        """The slots of the batched pool: ``kv_mem`` bytes of K/V or ``slots`` slots of ``slot_len`` tokens."""
+        cfg = self.cfg
+        slot_len = cfg.slot_len or cfg.max_context or min(DEFAULT_SLOT_LEN, self.model.n_ctx_train)
+        slot_len = min(slot_len, self.model.n_ctx_train)
+        return SlotPool.layout_for(self.model, method, cfg.defaults.budget, slot_len,
+                                   slots=None if cfg.kv_mem else cfg.slots, kv_mem=cfg.kv_mem or None)
 
     # ------------------------------------------------------------ engine
     def method(self, name: str) -> Method:
@@ -121,6 +146,8 @@ class Server:
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.pool is not None:
+            self.pool.close()
 
     # ------------------------------------------------------------ routes
     async def chat(self, request: Request) -> Response:
@@ -145,11 +172,16 @@ class Server:
                            code="context_length_exceeded") from None
         except PaskError as exc:
             raise bad_request(str(exc)) from None
-        limit = self.cfg.max_context
+        limit = self.pool.layout.slot_len if self.pool is not None else self.cfg.max_context
         if limit and prepared.n_prompt + req.max_tokens > limit:
             raise APIError(400, f"prompt ({prepared.n_prompt} tokens) + max_tokens ({req.max_tokens}) exceed this "
                            f"server's context limit ({limit}); shorten the messages or lower max_tokens",
                            param="messages", code="context_length_exceeded")
+        if self.pool is not None:
+            try:
+                self.pool.check(engine, prepared)
+            except PaskError as exc:
+                raise bad_request(str(exc), "pask") from None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -199,7 +231,10 @@ class Server:
             return job.cancelled
 
         try:
-            result = engine.execute(prepared, on_token=on_token)
+            if self.pool is not None:
+                result = self.pool.execute(engine, prepared, on_token, cancelled=lambda: job.cancelled)
+            else:
+                result = engine.execute(prepared, on_token=on_token)
         except BaseException:
             self.metrics.finish("error", None, None, None, time.perf_counter() - arrival)
             raise
@@ -294,9 +329,12 @@ class Server:
         return JSONResponse(models_body(self.cfg.model_id, self.created)["data"][0])
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.cfg.model_id, "slots": self.scheduler.slots,
-                             "busy": self.scheduler.busy, "waiting": self.scheduler.waiting,
-                             "queue_capacity": self.scheduler.queue_size})
+        body = {"status": "ok", "model": self.cfg.model_id, "slots": self.scheduler.slots,
+                "busy": self.scheduler.busy, "waiting": self.scheduler.waiting,
+                "queue_capacity": self.scheduler.queue_size, "batch": self.pool is not None}
+        if self.pool is not None:
+            body["pool"] = self.pool.stats()
+        return JSONResponse(body)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)

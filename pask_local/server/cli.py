@@ -52,13 +52,25 @@ def serve_command(
                                         "override it with \"pask\": {\"method\": ...}).")] = "pask",
     budget: Annotated[float, typer.Option("--budget", help="Default fraction of full-KV entries kept, "
                                           "in (0, 1].")] = 0.33,
-    slots: Annotated[int, typer.Option("--slots", help="Requests run at once (each its own llama context).")] = 1,
+    slots: Annotated[int, typer.Option("--slots", help="Requests run at once (batched: KV streams of one "
+                                       "context; --no-batch: one llama context each).")] = 1,
+    kv_mem: Annotated[int, typer.Option("--kv-mem", help="Batched: MiB of K/V memory for the slots; the slot "
+                                        "count follows from the method and budget (overrides --slots). 0: use "
+                                        "--slots.")] = 0,
+    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Continuous batching of all slots in one "
+                                        "persistent context (methods without attention scores: full, pask, "
+                                        "pask-prior, streaming), or one context per request (any method).")] = True,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot; beyond that: "
                                        "429.")] = 8,
+    prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Batched: prompt tokens one step may "
+                                                "carry besides the decoding slots' tokens (lower: steadier "
+                                                "TPOT, later first tokens); 0: a chunk per prefilling "
+                                                "slot.")] = 128,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit when a request sets "
                                             "none.")] = 256,
     max_context: Annotated[int, typer.Option("--max-context", help="Most tokens (prompt + max_tokens) one "
-                                             "request may use; 0: the model's trained context.")] = 0,
+                                             "request may use (batched: a slot's length); 0: the model's "
+                                             "trained context (batched: 4096).")] = 0,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
     model_id: Annotated[str | None, typer.Option("--model-id", help="The model name clients send. Default: "
@@ -84,6 +96,12 @@ def serve_command(
         raise PaskError(f"--queue must be >= 0, got {queue}")
     if max_context < 0:
         raise PaskError(f"--max-context must be >= 0, got {max_context}")
+    if prefill_tokens < 0:
+        raise PaskError(f"--prefill-tokens must be >= 0, got {prefill_tokens}")
+    if kv_mem < 0:
+        raise PaskError(f"--kv-mem must be >= 0 MiB, got {kv_mem}")
+    if kv_mem and not batch:
+        raise PaskError("--kv-mem sizes the batched pool: drop --no-batch or --kv-mem")
     if not 0 <= port <= 65535:
         raise PaskError(f"--port must be in 0..65535, got {port}")
     if log_level not in LOG_LEVELS:
@@ -108,11 +126,18 @@ def serve_command(
     loaded = Model(path, n_gpu_layers=ngl)
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
                                          slots=slots, queue_size=queue, max_context=max_context,
-                                         flash_attn=flash_attn, hysteresis=hysteresis))
+                                         flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
+                                         kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
-    print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {slots} slot(s), "
+    if server.pool is not None:
+        lay = server.pool.layout
+        mode = (f"batched: {lay.slots} slot(s) of {lay.slot_len} tokens, K/V {server.pool.kv_bytes / (1 << 20):.1f} "
+                f"MiB ({server.pool.slot_bytes / (1 << 20):.1f} per slot)")
+    else:
+        mode = f"{slots} slot(s), a context per request"
+    print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {mode}, "
           f"queue {queue}) on http://{host}:{bound[1]}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=5)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end with exit 0

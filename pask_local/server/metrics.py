@@ -3,7 +3,8 @@
 Requests by HTTP status and by how they finished, prompt and completion tokens, time to first
 token and time per output token (histograms, seconds; TTFT counts from the request's arrival, so
 it includes the time spent queued), KV entries the method held at the end of each request next to
-what full KV would have held, and the scheduler's state (slots busy, jobs waiting). Each server
+what full KV would have held, the scheduler's state (slots busy, jobs waiting) and, with batching,
+the pool's memory and step loop (tokens per llama_decode, the host's share of a step). Each server
 has its own registry, so several apps can live in one process (the tests).
 """
 
@@ -33,7 +34,8 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, busy: Callable[[], int], waiting: Callable[[], int], slots: int, queue_size: int) -> None:
+    def __init__(self, busy: Callable[[], int], waiting: Callable[[], int], slots: int, queue_size: int,
+                 pool: Any = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pask_requests", "Chat-completion requests answered, by HTTP status.",
@@ -61,6 +63,16 @@ class Metrics:
         Gauge("pask_slots", "Slots (requests run at once).", registry=r).set(slots)
         Gauge("pask_queue_capacity", "Requests that may wait for a slot before new ones get 429.",
               registry=r).set(queue_size)
+        if pool is not None:  # the batched pool (engine.pool.SlotPool)
+            Gauge("pask_kv_pool_bytes", "K/V bytes of the slot pool (fixed at start-up).",
+                  registry=r).set(pool.kv_bytes)
+            Gauge("pask_kv_slot_bytes", "K/V bytes of one slot.", registry=r).set(pool.slot_bytes)
+            Gauge("pask_batch_steps", "llama_decode calls of the step loop.",
+                  registry=r).set_function(lambda: pool.steps)
+            Gauge("pask_batch_tokens_per_step", "Mean tokens per llama_decode call.",
+                  registry=r).set_function(lambda: pool.stats()["tokens_per_step"])
+            Gauge("pask_batch_host_share", "Share of the step loop's time outside llama_decode (sampling, "
+                  "grammar, tagging, eviction).", registry=r).set_function(lambda: pool.stats()["host_share"])
 
     def request(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()

@@ -1,0 +1,370 @@
+"""Continuous batching: many requests decoded together in one persistent llama context.
+
+``SlotPool`` owns one context whose KV memory is fixed when it starts: ``slots`` sequences, each
+its own KV stream, every layer of a stream a fixed number of cells (Full KV: the slot length; a
+compressed method: budget x slot length + one prefill chunk, rounded up to 256 cells, sliding-window
+layers at most their window + a chunk). ``SlotPool.for_kv_memory`` derives the slot count from a
+memory size, so that at equal memory a budget of 0.33 gets about three times the slots of Full KV.
+
+One thread runs the step loop. Each step is one ``llama_decode`` that holds the next token of every
+decoding sequence and the next prompt chunk of every sequence still prefilling, in sequence-id
+order (upstream splits a multi-stream batch into ubatches of consecutive sequences, so a request
+takes the lowest free id). After it, each sequence's own run (``Engine.start_in_slot``: its
+method, its native persistence step on its sequence id, its grammar) evicts and chooses its next
+token from its own logits row. ``execute`` blocks its caller until the request is answered; a
+request waits for a free slot in arrival order; one whose ``cancelled`` turns true (a client that
+went away: checked every step, prefill included) or whose token hook asks to stop frees its slot
+at the next step. A failed decode fails the requests in that batch and clears their sequences;
+the pool goes on serving.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import NativeError, PaskError
+from ..kv_layered import LayeredContext, kv_total_bytes
+from ..llm import Context, ContextConfig, Model
+from ..methods import Method
+from ..model_info import swa_layers
+from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, slot_ready
+
+CELL_ALIGN = 256
+
+
+def _round_up(n: int, align: int = CELL_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+class PoolClosed(PaskError):
+    """The pool is shutting down."""
+
+
+class RequestCancelled(PaskError):
+    """The request was cancelled before its first token."""
+
+
+@dataclass
+class PoolLayout:
+    """What a pool allocates: cells per layer of one slot, and the slot count."""
+
+    full: bool                 # an upstream cache (Full KV) instead of the layered one
+    capacities: list[int]      # cells per layer in each slot's stream
+    slots: int
+    slot_len: int              # prompt + max_tokens one slot holds
+    budget: float              # the largest budget a request may ask for (1.0: Full KV)
+
+
+def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
+    """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc)."""
+    swa, window = swa_layers(model)
+    full = _round_up(slot_len)
+    if method.keeps_all:
+        return [full] * model.n_layer
+    need = min(slot_len, math.ceil(budget * slot_len) + chunk)
+    caps = []
+    for il in range(model.n_layer):
+        c = min(need, window + chunk) if (il in swa and window > 0) else need
+        caps.append(min(_round_up(c), full))
+    return caps
+
+
+@dataclass
+class _Request:
+    engine: Engine
+    prepared: Prepared
+    on_token: TokenHook | None
+    cancelled: Callable[[], bool]
+    future: Future[EngineResult] = field(default_factory=Future)
+    run: Any = None            # the engine's run once admitted
+    seq: int = -1
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    next_chunk: int = 0
+    token: int | None = None   # the token to decode next (decoding phase)
+    admitted_at: float = 0.0
+
+
+class SlotPool:
+    """One persistent context serving up to ``layout.slots`` requests at once."""
+
+    def __init__(self, model: Model, layout: PoolLayout, chunk: int = EngineConfig.chunk,
+                 flash_attn: bool = False, start: bool = True, prefill_tokens: int = 0) -> None:
+        """``start=False``: requests queue until ``start()`` (all admitted together: reproducible batches).
+
+        ``prefill_tokens``: prompt tokens one step may carry (the oldest prefilling requests first, at
+        least one chunk), which bounds how much a prefill slows the decoding slots; 0: a chunk for
+        every prefilling request."""
+        if layout.slots < 1:
+            raise PaskError(f"a pool needs at least one slot, got {layout.slots}")
+        self.model = model
+        self.layout = layout
+        self.chunk = chunk
+        self.prefill_tokens = prefill_tokens
+        n_batch = layout.slots * chunk
+        cfg = ContextConfig(n_ctx=layout.slots * _round_up(layout.slot_len), n_batch=n_batch,
+                            n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn)
+        self.flash_attn = flash_attn
+        if layout.full:
+            self.ctx: Context = Context(model, cfg)
+            self.kv_bytes = kv_total_bytes(self.ctx)
+        else:
+            self.ctx = LayeredContext(model, layout.capacities, cfg, unified=False)
+            self.kv_bytes = self.ctx.kv_bytes()
+        self.slot_bytes = self.kv_bytes // layout.slots
+        self._free = list(range(layout.slots))
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.steps = 0                      # llama_decode calls
+        self.step_tokens = 0                # tokens decoded in them
+        self.max_prompt_step = 0            # most prompt tokens one step carried
+        self.step_s = 0.0                   # time in llama_decode
+        self.host_s = 0.0                   # time in the runs between decodes (sampling, tagging, eviction)
+        self._thread = threading.Thread(target=self._loop, name="pask-pool", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the step loop (once)."""
+        if not self._thread.is_alive() and not self._closed:
+            self._thread.start()
+
+    # ------------------------------------------------------------- sizing
+    @staticmethod
+    def layout_for(model: Model, method: Method, budget: float, slot_len: int, slots: int | None = None,
+                   kv_mem: int | None = None, chunk: int = EngineConfig.chunk) -> PoolLayout:
+        """The layout for ``slots`` slots, or for as many as fit in ``kv_mem`` bytes of K/V."""
+        if slot_len < 2:
+            raise PaskError(f"a slot must hold at least 2 tokens, got {slot_len}")
+        full = method.keeps_all
+        caps = slot_capacities(model, method, budget, slot_len, chunk)
+        if kv_mem is not None:
+            one = SlotPool._measure(model, full, caps, slot_len)
+            slots = kv_mem // one
+            if slots < 1:
+                raise PaskError(f"--kv-mem {kv_mem >> 20} MiB holds no slot: one {method.name} slot of "
+                                f"{slot_len} tokens needs {math.ceil(one / (1 << 20))} MiB")
+        if slots is None or slots < 1:
+            raise PaskError(f"a pool needs at least one slot, got {slots}")
+        return PoolLayout(full=full, capacities=caps, slots=int(slots), slot_len=slot_len,
+                          budget=1.0 if full else budget)
+
+    @staticmethod
+    def _measure(model: Model, full: bool, caps: list[int], slot_len: int) -> int:
+        """K/V bytes of one slot, read from a one-slot context of the same kind."""
+        cfg = ContextConfig(n_ctx=_round_up(slot_len), n_batch=CELL_ALIGN, n_seq_max=1)
+        ctx: Context = Context(model, cfg) if full else LayeredContext(model, caps, cfg)
+        try:
+            return kv_total_bytes(ctx) if full else ctx.kv_bytes()
+        finally:
+            ctx.close()
+
+    # ------------------------------------------------------------- public
+    @property
+    def busy(self) -> int:
+        """Slots holding a request now."""
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def check(self, engine: Engine, prepared: Prepared) -> None:
+        """Raise ``PaskError`` if the request cannot run in this pool (before it waits for a slot)."""
+        method, lay = engine.method, self.layout
+        if not slot_ready(method):
+            raise PaskError(f"method '{method.name}' reads attention scores or prefills the whole prompt "
+                            f"first: the batched pool serves methods without them (full, pask, pask-prior, "
+                            f"streaming); start the server with --no-batch to use it")
+        if method.keeps_all != lay.full:
+            raise PaskError(f"this pool's slots hold {'full KV' if lay.full else f'budget {lay.budget}'}: "
+                            f"method '{method.name}' needs a server started with --method {method.name}")
+        if not method.keeps_all and engine.cfg.budget > lay.budget + 1e-9:
+            raise PaskError(f"budget {engine.cfg.budget} is above this pool's {lay.budget}")
+        need = prepared.n_prompt + engine.cfg.max_tokens
+        if need > lay.slot_len:
+            raise PaskError(f"prompt ({prepared.n_prompt} tokens) + max_tokens ({engine.cfg.max_tokens}) exceed "
+                            f"a slot's {lay.slot_len} tokens")
+
+    def submit(self, engine: Engine, prepared: Prepared, on_token: TokenHook | None = None,
+               cancelled: Callable[[], bool] = lambda: False) -> Future[EngineResult]:
+        """Queue a prepared request; its future holds the result (or the error)."""
+        self.check(engine, prepared)
+        req = _Request(engine, prepared, on_token, cancelled)
+        with self._cond:
+            if self._closed:
+                raise PoolClosed("the pool is shutting down")
+            self._waiting.append(req)
+            self._cond.notify_all()
+        return req.future
+
+    def execute(self, engine: Engine, prepared: Prepared, on_token: TokenHook | None = None,
+                cancelled: Callable[[], bool] = lambda: False) -> EngineResult:
+        """Run a prepared request in the pool; blocks until it is answered (or fails)."""
+        return self.submit(engine, prepared, on_token, cancelled).result()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the step loop (requests still running or waiting fail) and free the context."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        else:  # never started: fail what waits
+            self._fail_all(PoolClosed("the pool is shutting down"))
+        if not self._thread.is_alive():
+            self.ctx.close()
+
+    def stats(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"slots": lay.slots, "slot_len": lay.slot_len, "kv_bytes": self.kv_bytes,
+                "slot_bytes": self.slot_bytes, "capacity_per_layer": lay.capacities, "steps": self.steps,
+                "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
+                "max_prompt_tokens_per_step": self.max_prompt_step,
+                "decode_s": self.step_s, "host_s": self.host_s,
+                "host_share": self.host_s / (self.host_s + self.step_s) if self.step_s else 0.0}
+
+    # ---------------------------------------------------------- the loop
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            if req.cancelled():
+                req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
+                continue
+            self._free.sort()
+            seq = self._free.pop(0)
+            spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn)
+            try:
+                req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
+            except BaseException as exc:
+                self._free.append(seq)
+                req.future.set_exception(exc)
+                continue
+            req.seq = seq
+            req.chunks = req.run.prefill_bounds()
+            req.admitted_at = time.perf_counter()
+            self._active.append(req)
+
+    def _release(self, req: _Request, result: EngineResult | None = None, exc: BaseException | None = None) -> None:
+        self._active.remove(req)
+        try:
+            if result is None and exc is None:
+                try:
+                    result = req.run.result()
+                except BaseException as e:  # a reply that cannot be built is that request's failure
+                    exc = e
+            req.run.close()
+        finally:
+            self.ctx.seq_rm(req.seq, -1, -1)
+            self._free.append(req.seq)
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self._admit()
+            if self._active:
+                self._step()
+        self._fail_all(PoolClosed("the server is shutting down"))
+
+    def _fail_all(self, err: BaseException) -> None:
+        for req in list(self._active):
+            self._release(req, exc=err)
+        with self._cond:
+            for req in self._waiting:
+                req.future.set_exception(err)
+            self._waiting.clear()
+
+    def _step(self) -> None:
+        """One llama_decode for every active request, then each request's own bookkeeping."""
+        t0 = time.perf_counter()
+        toks: list[int] = []
+        pos: list[int] = []
+        seqs: list[int] = []
+        want: list[bool] = []
+        rows: list[tuple[_Request, int]] = []   # (request, its logits row or -1)
+        prefilling = sorted((r for r in self._active if r.next_chunk < len(r.chunks)), key=lambda r: r.admitted_at)
+        room = self.prefill_tokens or len(prefilling) * self.chunk
+        fed: set[int] = set()
+        for r in prefilling:
+            a, b = r.chunks[r.next_chunk]
+            if fed and b - a > room:
+                break
+            fed.add(id(r))
+            room -= b - a
+        for req in sorted(self._active, key=lambda r: r.seq):
+            if req.cancelled():
+                if req.next_chunk < len(req.chunks):  # still prefilling: no reply to build
+                    self._release(req, exc=RequestCancelled("the request was cancelled while its prompt was read"))
+                else:
+                    req.run.finish = "cancelled"
+                    self._release(req)
+                continue
+            run = req.run
+            if req.next_chunk < len(req.chunks):
+                if id(req) not in fed:  # waits for a later step's prefill room
+                    continue
+                a, b = req.chunks[req.next_chunk]
+                last = req.next_chunk == len(req.chunks) - 1
+                for p in range(a, b):
+                    toks.append(run.prompt.tokens[p])
+                    pos.append(p)
+                    seqs.append(req.seq)
+                    want.append(last and p == b - 1)
+            else:
+                toks.append(req.token)
+                pos.append(run.pos)
+                seqs.append(req.seq)
+                want.append(True)
+            rows.append((req, len(toks) - 1 if want[-1] else -1))
+        if not rows:
+            return
+        self.max_prompt_step = max(self.max_prompt_step, sum(1 for r, _ in rows if r.next_chunk < len(r.chunks)
+                                                             for _ in range(*r.chunks[r.next_chunk])))
+        t1 = time.perf_counter()
+        status = self.ctx.decode_batch(toks, pos, seqs, want)
+        t2 = time.perf_counter()
+        self.steps += 1
+        self.step_tokens += len(toks)
+        self.step_s += t2 - t1
+        if status != 0:
+            err = NativeError(f"llama_decode failed (status {status}) on a batch of {len(toks)} tokens")
+            for req, _ in rows:
+                self._release(req, exc=err)
+            return
+        for req, row in rows:
+            try:
+                self._advance(req, row)
+            except BaseException as exc:
+                self._release(req, exc=exc)
+        self.host_s += (t1 - t0) + (time.perf_counter() - t2)
+
+    def _advance(self, req: _Request, row: int) -> None:
+        run = req.run
+        if req.next_chunk < len(req.chunks):
+            a, b = req.chunks[req.next_chunk]
+            run.after_chunk(a, b)
+            req.next_chunk += 1
+            if req.next_chunk < len(req.chunks):
+                return
+            run.end_prefill()
+        else:
+            run.after_token()
+        req.token = run.next_token(self.ctx.logits(row))
+        if req.token is None:
+            self._release(req)

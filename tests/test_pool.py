@@ -1,0 +1,196 @@
+"""The slot pool (continuous batching in one persistent context) on the real Gemma 3 270M.
+
+Oracles: upstream llama.cpp's own multi-stream cache (a Full KV pool) for the layered pool at full
+capacity, logits bit for bit under the same batches; and a request's own logits, which must not
+change when the requests beside it change (same prompt length, other tokens), under eviction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from pask_local.chat.decoder import Decoder
+from pask_local.chat.messages import user_message
+from pask_local.engine import Engine, EngineConfig, make_method
+from pask_local.engine.pool import RequestCancelled, SlotPool
+from pask_local.errors import PaskError
+from pask_local.llm import Model
+from pask_local.schema.tools import read_tools
+
+pytestmark = pytest.mark.slow
+
+WEATHER = read_tools(REPO / "examples" / "get_weather.json")
+CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "London", "Vienna", "Oslo"]
+
+
+@pytest.fixture(scope="module")
+def model(gemma_path) -> Model:
+    return Model(gemma_path)
+
+
+class Recorder(Decoder):
+    """The engine's decoder, keeping a copy of the logits of every step."""
+
+    def __init__(self, model: Model, plan, log: list[np.ndarray]) -> None:
+        super().__init__(model, plan)
+        self.log = log
+
+    def choose(self, logits: np.ndarray, temperature: float = 0.0) -> int:
+        self.log.append(np.array(logits, copy=True))
+        return super().choose(logits, temperature)
+
+
+def engine(model, method, budget, log=None, max_tokens=40):
+    factory = Decoder if log is None else (lambda m, p: Recorder(m, p, log))
+    return Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=max_tokens),
+                  decoder_factory=factory)
+
+
+def ask(city: str) -> str:
+    return f"What is the weather like in {city} today? Answer in celsius."
+
+
+def run_pool(model, method, budget, questions, slots=None, slot_len=512, logs=True):
+    """Submit every question before the loop starts (one admission: reproducible batches)."""
+    lay = SlotPool.layout_for(model, make_method(method, model), budget, slot_len, slots=slots or len(questions))
+    pool = SlotPool(model, lay, start=False)
+    try:
+        records = [[] for _ in questions]
+        futures = []
+        for q, rec in zip(questions, records, strict=True):
+            e = engine(model, method, budget, rec if logs else None)
+            futures.append(pool.submit(e, e.prepare(user_message(q), WEATHER, "required")))
+        pool.start()
+        return [f.result(timeout=300) for f in futures], records, pool
+    finally:
+        pool.close()
+
+
+def same_length_cities(model, n):
+    e = engine(model, "full", 1.0)
+    lens = {c: e.prepare(user_message(ask(c)), WEATHER, "required").n_prompt for c in CITIES}
+    base = lens[CITIES[0]]
+    same = [c for c in CITIES if lens[c] == base]
+    assert len(same) >= n, f"need {n} cities whose prompts tokenize to {base} tokens: {lens}"
+    return same[:n]
+
+
+def test_layered_pool_at_full_capacity_equals_upstream_pool(model):
+    qs = [ask("Paris"), "Put a team meeting in my calendar for 2025-03-14 at 10:00.", ask("Rome")]
+    up, up_logs, up_pool = run_pool(model, "full", 1.0, qs)
+    lay, lay_logs, lay_pool = run_pool(model, "pask-prior", 1.0, qs)
+    assert up_pool.layout.full and not lay_pool.layout.full
+    assert lay_pool.layout.capacities == up_pool.layout.capacities  # same cells per stream
+    for a, b, la, lb in zip(up, lay, up_logs, lay_logs, strict=True):
+        assert a.tokens == b.tokens
+        assert len(la) == len(lb) > 0
+        for x, y in zip(la, lb, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_request_does_not_see_its_neighbours(model):
+    a, b, c = same_length_cities(model, 3)
+    alone, alone_logs, _ = run_pool(model, "pask-prior", 0.33, [ask(a)] * 3)
+    mixed, mixed_logs, pool = run_pool(model, "pask-prior", 0.33, [ask(a), ask(b), ask(c)])
+    # three copies of one request in three streams: three identical replies
+    assert alone[0].tokens == alone[1].tokens == alone[2].tokens
+    for x, y in zip(alone_logs[0], mixed_logs[0], strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert mixed[0].tokens == alone[0].tokens
+    for r in mixed:
+        assert r.ok and r.calls[0]["name"] == "get_weather", r.text
+        assert r.stats["max_over_budget_entries"] <= 0
+        assert r.stats["budget_used_final"] <= 0.33 + 0.01
+        assert r.stats["kv_bytes_allocated"] == pool.slot_bytes
+    assert mixed[1].tokens != mixed[0].tokens or mixed_logs[1][0].tobytes() != mixed_logs[0][0].tobytes()
+
+
+def test_more_requests_than_slots_and_a_cancelled_one(model):
+    lay = SlotPool.layout_for(model, make_method("streaming", model), 0.33, 512, slots=2)
+    pool = SlotPool(model, lay, start=False)
+    try:
+        futures = []
+        for i, city in enumerate(CITIES[:5]):
+            e = engine(model, "streaming", 0.33)
+            cancelled = (lambda: True) if i == 1 else (lambda: False)
+            futures.append(pool.submit(e, e.prepare(user_message(ask(city)), WEATHER, "required"),
+                                       cancelled=cancelled))
+        pool.start()
+        with pytest.raises(RequestCancelled):
+            futures[1].result(timeout=300)
+        results = [f.result(timeout=300) for i, f in enumerate(futures) if i != 1]
+        assert all(r.ok and r.calls for r in results), [r.text for r in results]
+        assert pool.busy == 0 and pool.waiting == 0
+        for il in range(model.n_layer):  # every stream is empty again
+            assert all(pool.ctx.used(il, s) == 0 for s in range(2))
+        assert pool.stats()["tokens_per_step"] > 1.0  # steps did batch several sequences
+    finally:
+        pool.close()
+
+
+def test_prefill_room_per_step_is_held(model):
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=3)
+    pool = SlotPool(model, lay, start=False, prefill_tokens=64)
+    try:
+        futures = []
+        for city in CITIES[:3]:
+            e = engine(model, "pask-prior", 0.33)
+            futures.append(pool.submit(e, e.prepare(user_message(ask(city)), WEATHER, "required")))
+        pool.start()
+        assert all(f.result(timeout=300).ok for f in futures)
+        assert 0 < pool.stats()["max_prompt_tokens_per_step"] <= 64
+    finally:
+        pool.close()
+    unlimited, _, pool = run_pool(model, "pask-prior", 0.33, [ask(c) for c in CITIES[:3]], logs=False)
+    assert pool.stats()["max_prompt_tokens_per_step"] > 64  # without the room, chunks of all three
+
+
+def test_stop_from_the_token_hook_frees_the_slot(model):
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        e = engine(model, "pask-prior", 0.33)
+        seen = []
+        r = pool.execute(e, e.prepare(user_message(ask("Oslo")), WEATHER, "required"),
+                         on_token=lambda t: seen.append(t) or len(seen) >= 3)
+        assert r.finish == "cancelled" and len(r.tokens) == 3
+        e2 = engine(model, "pask-prior", 0.33)
+        r2 = pool.execute(e2, e2.prepare(user_message(ask("Oslo")), WEATHER, "required"))
+        assert r2.ok and r2.tokens[:3] == r.tokens
+    finally:
+        pool.close()
+
+
+def test_equal_memory_gives_a_compressed_method_more_slots(model):
+    kv_mem = 64 << 20
+    full = SlotPool.layout_for(model, make_method("full", model), 1.0, 2048, kv_mem=kv_mem)
+    pask = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 2048, kv_mem=kv_mem)
+    assert pask.slots >= 2 * full.slots >= 2
+    for lay in (full, pask):
+        pool = SlotPool(model, lay)
+        try:
+            assert pool.kv_bytes <= kv_mem
+            assert pool.kv_bytes + pool.slot_bytes > kv_mem  # one more slot would not fit
+        finally:
+            pool.close()
+
+
+def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 256, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        q = user_message(ask("Paris"))
+        for method, budget, needle in [("snapkv", 0.33, "attention"), ("full", 1.0, "--method full"),
+                                       ("pask-prior", 0.5, "above this pool")]:
+            e = engine(model, method, budget)
+            with pytest.raises(PaskError, match=needle):
+                pool.submit(e, e.prepare(q, WEATHER, "required"))
+        e = engine(model, "pask-prior", 0.33, max_tokens=200)
+        with pytest.raises(PaskError, match="exceed a slot"):
+            pool.submit(e, e.prepare(q, WEATHER, "required"))
+        with pytest.raises(PaskError, match="holds no slot"):
+            SlotPool.layout_for(model, make_method("full", model), 1.0, 2048, kv_mem=1 << 20)
+    finally:
+        pool.close()
