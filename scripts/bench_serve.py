@@ -103,12 +103,13 @@ class Served:
     """``pask-local serve`` in a subprocess, stopped with SIGINT."""
 
     def __init__(self, gguf: Path, method: str, budget: float, kv_mem_mib: int, slot_len: int, max_tokens: int,
-                 threads: int, prefill_tokens: int) -> None:
+                 threads: int, prefill_tokens: int, prefix_cache: bool) -> None:
         self.port = _free_port()
         env = {**os.environ, "PASK_THREADS": str(threads), "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "pask_local.cli", "serve", "--gguf", str(gguf), "--method", method,
                "--budget", str(budget), "--kv-mem", str(kv_mem_mib), "--max-context", str(slot_len),
-               "--max-tokens", str(max_tokens), "--prefill-tokens", str(prefill_tokens), "--queue", "1000", "--port", str(self.port),
+               "--max-tokens", str(max_tokens), "--prefill-tokens", str(prefill_tokens),
+               "--prefix-cache" if prefix_cache else "--no-prefix-cache", "--queue", "1000", "--port", str(self.port),
                "--log-level", "warning", "--model-id", "bench"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -202,17 +203,17 @@ def run_level(url: str, reqs: list[dict], concurrency: int, n: int, max_tokens: 
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    full = next((r for r in results if r["method"] == "full"), None)
-    if full is None:
-        return []
+    """Each run against Full KV with the same prefix-cache setting."""
     out = []
     for r in results:
-        if r is full:
+        full = next((f for f in results if f["method"] == "full" and f["prefix_cache"] == r["prefix_cache"]), None)
+        if full is None or r is full:
             continue
         for lv, fl in zip(r["levels"], full["levels"], strict=True):
             def q(key: str, lv=lv, fl=fl) -> float | None:
                 return lv[key] / fl[key] if lv[key] and fl[key] else None
-            out.append({"method": r["method"], "concurrency": lv["concurrency"], "throughput": q("gen_tokens_per_s"),
+            out.append({"method": r["method"], "prefix_cache": r["prefix_cache"], "concurrency": lv["concurrency"],
+                        "throughput": q("gen_tokens_per_s"),
                         "requests_per_s": q("requests_per_s"), "tpot_p50": q("tpot_p50"), "ttft_p50": q("ttft_p50"),
                         "peak_rss": r["peak_rss_bytes"] / full["peak_rss_bytes"] if full["peak_rss_bytes"] else None,
                         "kv_bytes": r["kv_bytes"] / full["kv_bytes"], "slots": r["slots"] / full["slots"]})
@@ -228,7 +229,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for r in results:
         c = [lv["concurrency"] for lv in r["levels"]]
-        label = f"{r['method']} ({r['slots']} slots)"
+        label = f"{r['method']} ({r['slots']} slots, cache {'on' if r['prefix_cache'] else 'off'})"
         axes[0].plot(c, [lv["gen_tokens_per_s"] for lv in r["levels"]], marker="o", label=label)
         axes[1].plot(c, [(lv["tpot_p50"] or 0) * 1e3 for lv in r["levels"]], marker="o", label=label)
         axes[2].plot(c, [lv["ttft_p50"] for lv in r["levels"]], marker="o", label=label)
@@ -260,6 +261,7 @@ def main() -> int:
     ap.add_argument("--min-prompt", type=int, default=1000)
     ap.add_argument("--max-prompt", type=int, default=3000)
     ap.add_argument("--prefill-tokens", type=int, default=128, help="serve --prefill-tokens")
+    ap.add_argument("--prefix-cache", default="off,on", help="serve --prefix-cache settings to run: off, on or both")
     ap.add_argument("--threads", type=int, default=0, help="PASK_THREADS of the server (0: all cores)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
@@ -277,6 +279,10 @@ def main() -> int:
         print("error: --concurrency takes integers, comma-separated", file=sys.stderr)
         return 2
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    caches = [c.strip() == "on" for c in args.prefix_cache.split(",") if c.strip() in ("on", "off")]
+    if not caches:
+        print("error: --prefix-cache takes on, off or off,on", file=sys.stderr)
+        return 2
     try:
         if args.synthetic:
             from bench_context import synthetic_qwen3_4b
@@ -293,13 +299,13 @@ def main() -> int:
           f"{max(r['n_prompt'] for r in reqs)} prompt tokens, K/V memory {kv_mem} MiB for every method",
           file=sys.stderr, flush=True)
     results = []
-    for method in methods:
+    for cache, method in [(c, m) for c in caches for m in methods]:
         srv = Served(gguf, method, args.budget, kv_mem, args.slot_len, args.max_tokens, args.threads or os.cpu_count(),
-                     args.prefill_tokens)
+                     args.prefill_tokens, cache)
         try:
             pool = srv.health["pool"]
-            print(f"[bench] {method}: {pool['slots']} slot(s), K/V {pool['kv_bytes'] / (1 << 20):.1f} MiB",
-                  file=sys.stderr, flush=True)
+            print(f"[bench] {method}, prefix cache {'on' if cache else 'off'}: {pool['slots']} slot(s), "
+                  f"K/V {pool['kv_bytes'] / (1 << 20):.1f} MiB", file=sys.stderr, flush=True)
             run_level(srv.url, reqs[:1], 1, 1, 8)  # warm-up
             lv = []
             for c in levels:
@@ -308,33 +314,34 @@ def main() -> int:
             pool = _get(srv.url + "/health")["pool"]
         finally:
             peak = srv.stop()
-        results.append({"method": method, "budget": None if method == "full" else args.budget,
+        results.append({"method": method, "prefix_cache": cache, "budget": None if method == "full" else args.budget,
                         "slots": pool["slots"], "kv_bytes": pool["kv_bytes"], "slot_bytes": pool["slot_bytes"],
                         "peak_rss_bytes": peak, "host_share": pool["host_share"],
-                        "tokens_per_step": pool["tokens_per_step"], "levels": lv})
+                        "tokens_per_step": pool["tokens_per_step"],
+                        "reused_prompt_tokens": pool["reused_prompt_tokens"], "levels": lv})
     rat = ratios(results)
     label = "timing-only (synthetic weights)" if args.synthetic else "real weights"
     out = {"model": gguf.name, "weights": label, "kv_mem_mib": kv_mem, "slot_len": args.slot_len,
            "max_tokens": args.max_tokens, "prefill_tokens": args.prefill_tokens, "requests": [r["id"] for r in reqs], "threads": args.threads or os.cpu_count(),
            "results": results, "ratios_to_full": rat}
-    con = Console()
+    con = Console(width=max(150, Console().width))
     t = Table(title=f"{gguf.name} ({label}), K/V {kv_mem} MiB per method")
-    for col in ["method", "slots", "K/V MiB", "conc", "req/s", "gen tok/s", "TTFT p50 s", "TPOT p50 ms",
+    for col in ["method", "cache", "slots", "K/V MiB", "conc", "req/s", "gen tok/s", "TTFT p50 s", "TPOT p50 ms",
                 "TPOT p99 ms", "valid", "host share"]:
         t.add_column(col)
     for r in results:
         for lv in r["levels"]:
-            t.add_row(r["method"], str(r["slots"]), f"{r['kv_bytes'] / (1 << 20):.0f}", str(lv["concurrency"]),
+            t.add_row(r["method"], "on" if r["prefix_cache"] else "off", str(r["slots"]), f"{r['kv_bytes'] / (1 << 20):.0f}", str(lv["concurrency"]),
                       f"{lv['requests_per_s']:.3f}", f"{lv['gen_tokens_per_s']:.2f}", f"{lv['ttft_p50']:.1f}",
                       f"{(lv['tpot_p50'] or 0) * 1e3:.0f}", f"{(lv['tpot_p99'] or 0) * 1e3:.0f}",
                       f"{lv['valid_share']:.2f}", f"{r['host_share']:.3f}")
     con.print(t)
     if rat:
         t2 = Table(title="ratios to Full KV (same run, same concurrency)")
-        for col in ["method", "conc", "throughput", "TPOT p50", "TTFT p50", "peak RSS", "K/V bytes", "slots"]:
+        for col in ["method", "cache", "conc", "throughput", "TPOT p50", "TTFT p50", "peak RSS", "K/V bytes", "slots"]:
             t2.add_column(col)
         for r in rat:
-            t2.add_row(r["method"], str(r["concurrency"]),
+            t2.add_row(r["method"], "on" if r["prefix_cache"] else "off", str(r["concurrency"]),
                        *[f"{r[k]:.2f}" if r[k] is not None else "-" for k in
                          ("throughput", "tpot_p50", "ttft_p50", "peak_rss", "kv_bytes", "slots")])
         con.print(t2)

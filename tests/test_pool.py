@@ -16,7 +16,7 @@ from pask_local.chat.messages import user_message
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.engine.pool import RequestCancelled, SlotPool
 from pask_local.errors import PaskError
-from pask_local.llm import Model
+from pask_local.llm import Context, ContextConfig, Model
 from pask_local.schema.tools import read_tools
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def ask(city: str) -> str:
 def run_pool(model, method, budget, questions, slots=None, slot_len=512, logs=True):
     """Submit every question before the loop starts (one admission: reproducible batches)."""
     lay = SlotPool.layout_for(model, make_method(method, model), budget, slot_len, slots=slots or len(questions))
-    pool = SlotPool(model, lay, start=False)
+    pool = SlotPool(model, lay, start=False, prefix_cache=False)
     try:
         records = [[] for _ in questions]
         futures = []
@@ -109,7 +109,7 @@ def test_a_request_does_not_see_its_neighbours(model):
 
 def test_more_requests_than_slots_and_a_cancelled_one(model):
     lay = SlotPool.layout_for(model, make_method("streaming", model), 0.33, 512, slots=2)
-    pool = SlotPool(model, lay, start=False)
+    pool = SlotPool(model, lay, start=False, prefix_cache=False)
     try:
         futures = []
         for i, city in enumerate(CITIES[:5]):
@@ -132,7 +132,7 @@ def test_more_requests_than_slots_and_a_cancelled_one(model):
 
 def test_prefill_room_per_step_is_held(model):
     lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=3)
-    pool = SlotPool(model, lay, start=False, prefill_tokens=64)
+    pool = SlotPool(model, lay, start=False, prefill_tokens=64, prefix_cache=False)
     try:
         futures = []
         for city in CITIES[:3]:
@@ -194,3 +194,55 @@ def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
             SlotPool.layout_for(model, make_method("full", model), 1.0, 2048, kv_mem=1 << 20)
     finally:
         pool.close()
+
+
+def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model):
+    """Full KV pool, one slot: B after A reuses their common prefix; upstream, doing what the pool
+    does (A's prompt in chunks, A's tokens, drop from the common prefix on, B's rest in chunks),
+    gives B's first logits bit for bit."""
+    lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 512, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        ea, log = engine(model, "full", 1.0), []
+        pa = ea.prepare(user_message(ask("Paris")), WEATHER, "required")
+        a = pool.execute(ea, pa)
+        eb = engine(model, "full", 1.0, log)
+        pb = eb.prepare(user_message(ask("Berlin") + " Thanks."), WEATHER, "required")
+        b = pool.execute(eb, pb)
+    finally:
+        pool.close()
+    ta, tb = pa.plan.prompt.tokens, pb.plan.prompt.tokens
+    r = b.stats["prefix_reused"]
+    assert 32 <= r < len(tb) and ta[:r] == tb[:r] and ta[r] != tb[r]
+    assert pool.stats()["reused_prompt_tokens"] == r
+    ctx = Context(model, ContextConfig(n_ctx=512, n_batch=64))
+    try:
+        for i in range(0, len(ta), 64):
+            assert ctx.decode(ta[i:i + 64], i) == 0
+        n_gen = a.stats["n_gen"] - (1 if a.finish == "grammar" else 0)  # the last token was not decoded
+        for k, t in enumerate(a.tokens[:n_gen]):
+            assert ctx.decode([t], len(ta) + k) == 0
+        ctx.seq_rm(0, r, -1)
+        for i in range(r, len(tb), 64):
+            assert ctx.decode(tb[i:i + 64], i) == 0
+        np.testing.assert_array_equal(ctx.logits(), log[0])
+    finally:
+        ctx.close()
+
+
+def test_a_compressed_prefix_is_reused_within_the_budget(model):
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        first = []
+        for city in ("Paris", "Rome", "Paris"):
+            e = engine(model, "pask-prior", 0.33)
+            first.append(pool.execute(e, e.prepare(user_message(ask(city)), WEATHER, "required")))
+    finally:
+        pool.close()
+    assert first[0].stats["prefix_reused"] == 0
+    for r in first[1:]:
+        assert r.stats["prefix_reused"] >= 32
+        assert r.ok and r.calls[0]["name"] == "get_weather", r.text
+        assert r.stats["max_over_budget_entries"] <= 0
+        assert r.stats["budget_used_after_prefill"] <= 0.33 + 64 / r.stats["n_prompt"]

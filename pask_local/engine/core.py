@@ -106,6 +106,7 @@ class SlotSpec:
     capacities: list[int]   # cells per layer in this sequence's stream
     kv_bytes: int           # K/V bytes of this sequence's stream
     flash_attn: bool = False
+    reuse: int = 0          # prompt positions [0, reuse) already in the stream (a cached prefix)
 
 
 @dataclass
@@ -405,12 +406,31 @@ class _Run:
     def prefill_bounds(self) -> list[tuple[int, int]]:
         """The prompt's chunks [a, b), in decode order."""
         n = self.n_prompt
-        bounds = list(range(0, n, self.cfg.chunk)) + [n]
+        start = self.slot.reuse if self.slot is not None else 0
+        bounds = list(range(start, n, self.cfg.chunk)) + [n]
         if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
             # the observation window must lie in the last decoded chunk
             bounds[-2] = max(0, n - self.cfg.probe_window)
             bounds = sorted(set(bounds))
         return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    def _adopt_prefix(self, n: int) -> None:
+        """The stream already holds prompt positions < n (what an earlier request with the same prefix
+        kept of them): keep what this request's plan keeps of those, as if it had prefilled them."""
+        self.n_seq = n
+        if self.full:
+            return
+        if self.planned is not None:
+            for il in range(self.n_layer):
+                held = self.held(il)
+                drop = held[~self.planned[il][held]]
+                if len(drop):
+                    self.ctx.evict(il, drop.tolist(), self.seq_id)
+                    self._log_evict(il, drop, -1, "policy")
+        else:
+            for il in range(self.n_layer):
+                self.evict_to(il, self.caps[il], -1, "window")
+        self.evict_swa_window(n - 1, -1)
 
     def before_decode(self) -> None:
         if self.probe is not None:
@@ -480,6 +500,8 @@ class _Run:
         self.n_seq = 0
         self.peak_prefill: list[int] | None = None
         self.planned = self._prompt_plan() if self.method.plans_prompt and not self.full else None
+        if self.slot is not None and self.slot.reuse:
+            self._adopt_prefix(self.slot.reuse)
         self.out: list[int] = []
         self.out_classes: list[StructuralClass] = []
         self.finish = "length"
@@ -633,6 +655,7 @@ class _Run:
             "kv_bytes_alignment": int(rounding),  # of kv_bytes_allocated: capacities rounded to cell_align
             "flash_attn": self.flash_attn,
             "slot_clamped_layers": self.clamped,  # layers whose prompt capacity a pool slot cut
+            "prefix_reused": self.slot.reuse if self.slot is not None else 0,  # prompt tokens not prefilled
             "max_over_budget_entries": int(worst_over),
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),

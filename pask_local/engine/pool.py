@@ -29,6 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..errors import NativeError, PaskError
 from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, ContextConfig, Model
@@ -41,6 +43,13 @@ CELL_ALIGN = 256
 
 def _round_up(n: int, align: int = CELL_ALIGN) -> int:
     return -(-n // align) * align
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 class PoolClosed(PaskError):
@@ -95,18 +104,25 @@ class SlotPool:
     """One persistent context serving up to ``layout.slots`` requests at once."""
 
     def __init__(self, model: Model, layout: PoolLayout, chunk: int = EngineConfig.chunk,
-                 flash_attn: bool = False, start: bool = True, prefill_tokens: int = 0) -> None:
+                 flash_attn: bool = False, start: bool = True, prefill_tokens: int = 0,
+                 prefix_cache: bool = True, min_reuse: int = 32) -> None:
         """``start=False``: requests queue until ``start()`` (all admitted together: reproducible batches).
 
         ``prefill_tokens``: prompt tokens one step may carry (the oldest prefilling requests first, at
         least one chunk), which bounds how much a prefill slows the decoding slots; 0: a chunk for
-        every prefilling request."""
+        every prefilling request. ``prefix_cache``: a finished request's stream keeps its KV; a new
+        request whose prompt starts with at least ``min_reuse`` of the same tokens takes that slot and
+        prefills only the rest (what the earlier request's method kept of the prefix is what it gets)."""
         if layout.slots < 1:
             raise PaskError(f"a pool needs at least one slot, got {layout.slots}")
         self.model = model
         self.layout = layout
         self.chunk = chunk
         self.prefill_tokens = prefill_tokens
+        self.prefix_cache = prefix_cache
+        self.min_reuse = max(1, min_reuse)
+        self._held_tokens: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
+        self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
         n_batch = layout.slots * chunk
         cfg = ContextConfig(n_ctx=layout.slots * _round_up(layout.slot_len), n_batch=n_batch,
                             n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn)
@@ -229,7 +245,7 @@ class SlotPool:
                 "slot_bytes": self.slot_bytes, "capacity_per_layer": lay.capacities, "steps": self.steps,
                 "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
                 "max_prompt_tokens_per_step": self.max_prompt_step,
-                "decode_s": self.step_s, "host_s": self.host_s,
+                "reused_prompt_tokens": self.reused_tokens, "decode_s": self.step_s, "host_s": self.host_s,
                 "host_share": self.host_s / (self.host_s + self.step_s) if self.step_s else 0.0}
 
     # ---------------------------------------------------------- the loop
@@ -239,19 +255,37 @@ class SlotPool:
             if req.cancelled():
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
-            self._free.sort()
-            seq = self._free.pop(0)
-            spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn)
+            seq, reuse = self._pick_slot(req.prepared.plan.prompt.tokens)
+            spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse)
             try:
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
             except BaseException as exc:
+                self.ctx.seq_rm(seq, -1, -1)
                 self._free.append(seq)
                 req.future.set_exception(exc)
                 continue
+            self.reused_tokens += reuse
             req.seq = seq
             req.chunks = req.run.prefill_bounds()
             req.admitted_at = time.perf_counter()
             self._active.append(req)
+
+    def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
+        """A free sequence for a prompt, and how many of its first tokens that stream already holds."""
+        best, best_n = -1, 0
+        for seq in self._free:
+            held = self._held_tokens.get(seq)
+            if not held:
+                continue
+            n = common_prefix(held, tokens[:-1])  # the last prompt token is always decoded (its logits)
+            if n > best_n:
+                best, best_n = seq, n
+        if best_n < self.min_reuse:
+            best, best_n = min(self._free), 0
+        self._free.remove(best)
+        self._held_tokens.pop(best, None)
+        self.ctx.seq_rm(best, best_n, -1)  # the rest of the earlier request (all of it without reuse)
+        return best, best_n
 
     def _release(self, req: _Request, result: EngineResult | None = None, exc: BaseException | None = None) -> None:
         self._active.remove(req)
@@ -263,7 +297,11 @@ class SlotPool:
                     exc = e
             req.run.close()
         finally:
-            self.ctx.seq_rm(req.seq, -1, -1)
+            run = req.run
+            if self.prefix_cache and exc is None and run.n_seq > 0:
+                self._held_tokens[req.seq] = (list(run.prompt.tokens) + run.out)[:run.n_seq]
+            else:
+                self.ctx.seq_rm(req.seq, -1, -1)
             self._free.append(req.seq)
         if exc is not None:
             req.future.set_exception(exc)

@@ -75,6 +75,7 @@ class ServerConfig:
     kv_mem: int = 0                   # batch: K/V bytes the slots may take (0: ``slots`` slots)
     slot_len: int = 0                 # batch: prompt + max_tokens per slot (0: max_context, else 4096)
     prefill_tokens: int = 128         # batch: prompt tokens one step may carry (0: a chunk per prefilling slot)
+    prefix_cache: bool = True         # batch: a new request reuses a free slot's KV of the same prompt prefix
 
 
 DEFAULT_SLOT_LEN = 4096
@@ -111,7 +112,8 @@ class Server:
                 raise PaskError(f"method '{method.name}' reads attention scores or prefills the whole prompt "
                                 f"first: it cannot run batched; start with --no-batch")
             layout = self.pool_layout(method)
-            self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens)
+            self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens,
+                                 prefix_cache=config.prefix_cache)
             slots = layout.slots
         self.scheduler = Scheduler(slots, config.queue_size)
         self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, slots,

@@ -66,6 +66,10 @@ def serve_command(
                                                 "carry besides the decoding slots' tokens (lower: steadier "
                                                 "TPOT, later first tokens); 0: a chunk per prefilling "
                                                 "slot.")] = 128,
+    prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Batched: a finished "
+                                               "request's slot keeps its KV, and a new request whose prompt "
+                                               "starts the same way (system prompt, tools) takes it and "
+                                               "prefills only the rest.")] = True,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit when a request sets "
                                             "none.")] = 256,
     max_context: Annotated[int, typer.Option("--max-context", help="Most tokens (prompt + max_tokens) one "
@@ -127,7 +131,8 @@ def serve_command(
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
                                          slots=slots, queue_size=queue, max_context=max_context,
                                          flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
-                                         kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens))
+                                         kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens,
+                                         prefix_cache=prefix_cache))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
