@@ -22,9 +22,16 @@ HysteresisOption = Annotated[float, typer.Option("--hysteresis", help="A layer o
                                                  "fraction of its prompt capacity more at once, so selection runs "
                                                  "every ~F x capacity / (1 - budget) tokens; 0: every token.")]
 
+KvTypeOption = Annotated[str, typer.Option("--kv-type", help="K/V cache element type: f16, q8_0 or q4_0 (quantized: "
+                                           "flash attention on; methods that read attention scores need f16).")]
 
-def check_device_options(ngl: int, hysteresis: float) -> None:
-    """``--ngl`` and ``--hysteresis`` (one PaskError line)."""
+
+def check_device_options(ngl: int, hysteresis: float, kv_type: str = "f16") -> None:
+    """``--ngl``, ``--hysteresis`` and ``--kv-type`` (one PaskError line)."""
+    from .engine.core import KV_TYPES
+
+    if kv_type not in KV_TYPES:
+        raise PaskError(f"unknown --kv-type '{kv_type}' (choose from {', '.join(KV_TYPES)})")
     if ngl < -1:
         raise PaskError(f"--ngl must be -1 (all layers) or >= 0, got {ngl}")
     if not 0.0 <= hysteresis <= 0.5:

@@ -20,6 +20,7 @@ from rich.table import Table
 from .cli_options import (
     FlashAttnOption,
     HysteresisOption,
+    KvTypeOption,
     ModelOption,
     NglOption,
     check_device_options,
@@ -85,6 +86,7 @@ def run_command(
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     hysteresis: HysteresisOption = 0.02,
+    kv_type: KvTypeOption = "f16",
 ) -> None:
     """Generate a schema-valid function call for REQUEST under a KV budget.
 
@@ -104,7 +106,7 @@ def run_command(
     if prompt_style not in PROMPT_STYLES:
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     check_generation_options(method, budget, max_tokens)
-    check_device_options(ngl, hysteresis)
+    check_device_options(ngl, hysteresis, kv_type)
 
     from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
@@ -122,7 +124,7 @@ def run_command(
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
                     EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style],
-                                 flash_attn=flash_attn, hysteresis=hysteresis))
+                                 flash_attn=flash_attn, hysteresis=hysteresis, kv_type=kv_type))
     if tui:
         from .tui.cli import run_tui
 

@@ -138,9 +138,11 @@ def one(kind: str, i: int, url: str, client, long_text: str, max_tokens: int) ->
             kw = dict(base)
             if kind == "call_named":
                 kw["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
-            elif kind == "call_parallel":
+                kw["parallel_tool_calls"] = False
+            elif kind == "call_parallel":  # room for the longest list the server allows (8 calls)
                 kw["messages"] = [{"role": "user", "content": f"Weather in {city} and the time in Tokyo?"}]
                 kw["tool_choice"] = "required"
+                kw["max_tokens"] = 4 * max_tokens
             else:
                 kw["tool_choice"] = "required"
                 kw["parallel_tool_calls"] = False
@@ -154,7 +156,7 @@ def one(kind: str, i: int, url: str, client, long_text: str, max_tokens: int) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--method", default="pask")
     ap.add_argument("--budget", type=float, default=0.33)

@@ -54,6 +54,8 @@ def test_bad_model_paths(cli, bad_files, gguf, needle):
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--ngl", "-3"], "--ngl must be -1 (all layers) or >= 0"),
     (["--hysteresis", "-1"], "--hysteresis must be in [0, 0.5]"),
+    (["--kv-type", "q9"], "unknown --kv-type 'q9'"),
+    (["--kv-type", "q8_0", "--method", "snapkv"], "needs flash attention"),
 ])
 def test_bad_run_options(cli, args, needle):
     assert_one_line_error(cli("run", "--schema", SCHEMA, *args, "hello"), needle)

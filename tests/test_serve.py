@@ -547,6 +547,12 @@ def _serve(*args: str, **kw: Any) -> subprocess.Popen:
     (["--queue", "-1"], "--queue must be >= 0"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-context", "-5"], "--max-context must be >= 0"),
+    (["--kv-mem", "-1"], "--kv-mem must be >= 0"),
+    (["--kv-mem", "64", "--no-batch"], "--kv-mem sizes the batched pool"),
+    (["--prefill-tokens", "-1"], "--prefill-tokens must be >= 0"),
+    (["--method", "snapkv"], "cannot run batched; start with --no-batch"),
+    (["--kv-mem", "1"], "holds no slot"),
+    (["--kv-type", "q9"], "unknown --kv-type"),
     (["--gguf", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
 ])
 def test_serve_bad_options_are_one_line_errors(args, needle) -> None:

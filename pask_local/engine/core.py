@@ -73,6 +73,17 @@ class EngineConfig:
     cell_align: int = 256         # layered capacities round up to a multiple of this (as upstream pads n_ctx)
     flash_attn: bool = False      # flash attention (off for methods that read attention scores: the probe)
     compact: bool = True          # after a one-time compression, move the kept cells to the lowest indices
+    kv_type: str = "f16"          # K and V cache element type: f16 | q8_0 | q4_0 (quantized: flash attention on)
+
+
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # name -> ggml_type
+
+
+def kv_type_id(name: str) -> int:
+    """The ggml_type of a KV cache type name (a PaskError names the choices)."""
+    if name not in KV_TYPES:
+        raise PaskError(f"unknown KV cache type '{name}' (choose from {', '.join(KV_TYPES)})")
+    return KV_TYPES[name]
 
 
 @dataclass
@@ -107,6 +118,7 @@ class SlotSpec:
     kv_bytes: int           # K/V bytes of this sequence's stream
     flash_attn: bool = False
     reuse: int = 0          # prompt positions [0, reuse) already in the stream (a cached prefix)
+    kv_type: str = "f16"    # the pool's K/V element type
 
 
 @dataclass
@@ -135,6 +147,10 @@ class Engine:
             raise PaskError(f"budget must be in (0, 1], got {self.cfg.budget}")
         if not 0.0 <= self.cfg.hysteresis <= 0.5:
             raise PaskError(f"hysteresis must be in [0, 0.5], got {self.cfg.hysteresis}")
+        kv_type_id(self.cfg.kv_type)
+        if self.cfg.kv_type != "f16" and method.needs_attention and not method.keeps_all:
+            raise PaskError(f"a {self.cfg.kv_type} KV cache needs flash attention, and method '{method.name}' "
+                            f"reads attention scores without it: use --kv-type f16 with it")
         self.swa, self.window = swa_layers(model)
 
     # ----------------------------------------------------------------- public
@@ -260,9 +276,11 @@ class _Run:
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it cannot run in a shared slot pool")
         self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
-        self.flash_attn = self.cfg.flash_attn and not self.needs_attn
+        # a quantized V cache needs flash attention (llama.cpp); the engine refused score methods for it
+        self.flash_attn = (self.cfg.flash_attn or self.cfg.kv_type != "f16") and not self.needs_attn
+        kv = kv_type_id(self.cfg.kv_type)
         cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window),
-                             flash_attn=self.flash_attn)
+                             flash_attn=self.flash_attn, type_k=kv, type_v=kv)
         if slot is not None:
             self.ctx = slot.ctx
             self.phys = list(slot.capacities)
@@ -654,6 +672,7 @@ class _Run:
             "kv_bytes_allocated": int(kv_bytes),
             "kv_bytes_alignment": int(rounding),  # of kv_bytes_allocated: capacities rounded to cell_align
             "flash_attn": self.flash_attn,
+            "kv_type": self.slot.kv_type if self.slot is not None else self.cfg.kv_type,
             "slot_clamped_layers": self.clamped,  # layers whose prompt capacity a pool slot cut
             "prefix_reused": self.slot.reuse if self.slot is not None else 0,  # prompt tokens not prefilled
             "max_over_budget_entries": int(worst_over),

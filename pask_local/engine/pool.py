@@ -36,7 +36,7 @@ from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, ContextConfig, Model
 from ..methods import Method
 from ..model_info import swa_layers
-from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, slot_ready
+from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, kv_type_id, slot_ready
 
 CELL_ALIGN = 256
 
@@ -69,6 +69,7 @@ class PoolLayout:
     slots: int
     slot_len: int              # prompt + max_tokens one slot holds
     budget: float              # the largest budget a request may ask for (1.0: Full KV)
+    kv_type: str = "f16"       # K/V element type (quantized: flash attention on)
 
 
 def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
@@ -124,8 +125,10 @@ class SlotPool:
         self._held_tokens: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
         self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
         n_batch = layout.slots * chunk
+        flash_attn = flash_attn or layout.kv_type != "f16"  # a quantized V cache needs flash attention
+        kv = kv_type_id(layout.kv_type)
         cfg = ContextConfig(n_ctx=layout.slots * _round_up(layout.slot_len), n_batch=n_batch,
-                            n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn)
+                            n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn, type_k=kv, type_v=kv)
         self.flash_attn = flash_attn
         if layout.full:
             self.ctx: Context = Context(model, cfg)
@@ -156,14 +159,14 @@ class SlotPool:
     # ------------------------------------------------------------- sizing
     @staticmethod
     def layout_for(model: Model, method: Method, budget: float, slot_len: int, slots: int | None = None,
-                   kv_mem: int | None = None, chunk: int = EngineConfig.chunk) -> PoolLayout:
+                   kv_mem: int | None = None, chunk: int = EngineConfig.chunk, kv_type: str = "f16") -> PoolLayout:
         """The layout for ``slots`` slots, or for as many as fit in ``kv_mem`` bytes of K/V."""
         if slot_len < 2:
             raise PaskError(f"a slot must hold at least 2 tokens, got {slot_len}")
         full = method.keeps_all
         caps = slot_capacities(model, method, budget, slot_len, chunk)
         if kv_mem is not None:
-            one = SlotPool._measure(model, full, caps, slot_len)
+            one = SlotPool._measure(model, full, caps, slot_len, kv_type)
             slots = kv_mem // one
             if slots < 1:
                 raise PaskError(f"--kv-mem {kv_mem >> 20} MiB holds no slot: one {method.name} slot of "
@@ -171,12 +174,14 @@ class SlotPool:
         if slots is None or slots < 1:
             raise PaskError(f"a pool needs at least one slot, got {slots}")
         return PoolLayout(full=full, capacities=caps, slots=int(slots), slot_len=slot_len,
-                          budget=1.0 if full else budget)
+                          budget=1.0 if full else budget, kv_type=kv_type)
 
     @staticmethod
-    def _measure(model: Model, full: bool, caps: list[int], slot_len: int) -> int:
+    def _measure(model: Model, full: bool, caps: list[int], slot_len: int, kv_type: str = "f16") -> int:
         """K/V bytes of one slot, read from a one-slot context of the same kind."""
-        cfg = ContextConfig(n_ctx=_round_up(slot_len), n_batch=CELL_ALIGN, n_seq_max=1)
+        kv = kv_type_id(kv_type)
+        cfg = ContextConfig(n_ctx=_round_up(slot_len), n_batch=CELL_ALIGN, n_seq_max=1, flash_attn=kv_type != "f16",
+                            type_k=kv, type_v=kv)
         ctx: Context = Context(model, cfg) if full else LayeredContext(model, caps, cfg)
         try:
             return kv_total_bytes(ctx) if full else ctx.kv_bytes()
@@ -203,6 +208,8 @@ class SlotPool:
         if method.keeps_all != lay.full:
             raise PaskError(f"this pool's slots hold {'full KV' if lay.full else f'budget {lay.budget}'}: "
                             f"method '{method.name}' needs a server started with --method {method.name}")
+        if engine.cfg.kv_type != lay.kv_type:
+            raise PaskError(f"this pool's KV cache is {lay.kv_type}, the request's {engine.cfg.kv_type}")
         if not method.keeps_all and engine.cfg.budget > lay.budget + 1e-9:
             raise PaskError(f"budget {engine.cfg.budget} is above this pool's {lay.budget}")
         need = prepared.n_prompt + engine.cfg.max_tokens
@@ -241,7 +248,7 @@ class SlotPool:
 
     def stats(self) -> dict[str, Any]:
         lay = self.layout
-        return {"slots": lay.slots, "slot_len": lay.slot_len, "kv_bytes": self.kv_bytes,
+        return {"slots": lay.slots, "slot_len": lay.slot_len, "kv_type": lay.kv_type, "kv_bytes": self.kv_bytes,
                 "slot_bytes": self.slot_bytes, "capacity_per_layer": lay.capacities, "steps": self.steps,
                 "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
                 "max_prompt_tokens_per_step": self.max_prompt_step,
@@ -256,7 +263,8 @@ class SlotPool:
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
             seq, reuse = self._pick_slot(req.prepared.plan.prompt.tokens)
-            spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse)
+            spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse,
+                            self.layout.kv_type)
             try:
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
             except BaseException as exc:

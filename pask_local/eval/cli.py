@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..cli_options import HysteresisOption, ModelOption, check_device_options
+from ..cli_options import HysteresisOption, KvTypeOption, ModelOption, check_device_options
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
 from .generator import KNOWN_METHODS
@@ -70,6 +70,7 @@ def eval_command(
     compact: Annotated[bool, typer.Option("--compact/--no-compact", help="After a one-time compression (SnapKV, "
                                           "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
     = True,
+    kv_type: KvTypeOption = "f16",
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -96,12 +97,12 @@ def eval_command(
         raise PaskError(f"answers file not found: {answers}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
-    check_device_options(0, hysteresis)
+    check_device_options(0, hysteresis, kv_type)
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis,
-                     compact=compact)
+                     compact=compact, kv_type=kv_type)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -66,13 +66,14 @@ class GeneratorSpec:
     prompt_style: str = "auto"     # auto | native | plain (eval.prompting.PROMPT_STYLES)
     hysteresis: float = 0.02       # EngineConfig.hysteresis (the native step's batched eviction)
     compact: bool = True           # EngineConfig.compact (gather kept cells after a one-time compression)
+    kv_type: str = "f16"           # EngineConfig.kv_type (K/V element type; quantized: flash attention)
 
     def engine_config(self, budget: float) -> Any:
         """The ``EngineConfig`` a method runs this spec with (budget, limit, prompt style, hysteresis)."""
         from ..engine import EngineConfig
 
         return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style],
-                            hysteresis=self.hysteresis, compact=self.compact)
+                            hysteresis=self.hysteresis, compact=self.compact, kv_type=self.kv_type)
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -105,7 +106,11 @@ class FullKVGenerator:
         self.budget: float | None = None
         self.spec = spec
         self.model = Model(spec.gguf)
-        self.ctx = Context(self.model, ContextConfig(n_ctx=spec.n_ctx, n_batch=512))
+        from ..engine.core import kv_type_id
+
+        kv = kv_type_id(spec.kv_type)
+        self.ctx = Context(self.model, ContextConfig(n_ctx=spec.n_ctx, n_batch=512, type_k=kv, type_v=kv,
+                                                     flash_attn=spec.kv_type != "f16"))
         self._cached: list[int] = []  # tokens whose KV sits in sequence 0 at positions 0..len-1
 
     def describe(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class EvalConfig:
     prompt_style: str = "auto"
     hysteresis: float = 0.02    # EngineConfig.hysteresis of every method
     compact: bool = True        # EngineConfig.compact of every method
+    kv_type: str = "f16"        # EngineConfig.kv_type of every method (and of Full KV)
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
 
@@ -126,7 +127,7 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
         "model": str(cfg.gguf), "model_bytes": size, "split": cfg.split,
         "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
         "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
-        "hysteresis": cfg.hysteresis, "compact": cfg.compact,
+        "hysteresis": cfg.hysteresis, "compact": cfg.compact, "kv_type": cfg.kv_type,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
     }
 
@@ -177,7 +178,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
                 continue
             spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
                                  prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis,
-                                 compact=cfg.compact)
+                                 compact=cfg.compact, kv_type=cfg.kv_type)
             gen = factory(method, spec)
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0

@@ -76,6 +76,7 @@ class ServerConfig:
     slot_len: int = 0                 # batch: prompt + max_tokens per slot (0: max_context, else 4096)
     prefill_tokens: int = 128         # batch: prompt tokens one step may carry (0: a chunk per prefilling slot)
     prefix_cache: bool = True         # batch: a new request reuses a free slot's KV of the same prompt prefix
+    kv_type: str = EngineConfig.kv_type  # K/V element type of every request (and of the pool)
 
 
 DEFAULT_SLOT_LEN = 4096
@@ -125,7 +126,8 @@ class Server:
         slot_len = cfg.slot_len or cfg.max_context or min(DEFAULT_SLOT_LEN, self.model.n_ctx_train)
         slot_len = min(slot_len, self.model.n_ctx_train)
         return SlotPool.layout_for(self.model, method, cfg.defaults.budget, slot_len,
-                                   slots=None if cfg.kv_mem else cfg.slots, kv_mem=cfg.kv_mem or None)
+                                   slots=None if cfg.kv_mem else cfg.slots, kv_mem=cfg.kv_mem or None,
+                                   kv_type=cfg.kv_type)
 
     # ------------------------------------------------------------ engine
     def method(self, name: str) -> Method:
@@ -141,7 +143,7 @@ class Server:
     def engine(self, req: ChatRequest) -> Engine:
         try:
             cfg = EngineConfig(budget=req.budget, max_tokens=req.max_tokens, flash_attn=self.cfg.flash_attn,
-                               hysteresis=self.cfg.hysteresis)
+                               hysteresis=self.cfg.hysteresis, kv_type=self.cfg.kv_type)
             return Engine(self.model, self.method(req.method), cfg)
         except PaskError as exc:
             raise bad_request(str(exc), "pask") from None

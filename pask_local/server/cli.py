@@ -17,6 +17,7 @@ import typer
 from ..cli_options import (
     FlashAttnOption,
     HysteresisOption,
+    KvTypeOption,
     ModelOption,
     NglOption,
     check_device_options,
@@ -84,6 +85,7 @@ def serve_command(
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     hysteresis: HysteresisOption = 0.02,
+    kv_type: KvTypeOption = "f16",
 ) -> None:
     """Serve an OpenAI-compatible /v1/chat/completions endpoint (tools, streaming) for one model.
 
@@ -93,7 +95,7 @@ def serve_command(
     from ..model_registry import DEFAULT_MODEL
 
     check_generation_options(method, budget, max_tokens)
-    check_device_options(ngl, hysteresis)
+    check_device_options(ngl, hysteresis, kv_type)
     if slots < 1:
         raise PaskError(f"--slots must be >= 1, got {slots}")
     if queue < 0:
@@ -132,7 +134,7 @@ def serve_command(
                                          slots=slots, queue_size=queue, max_context=max_context,
                                          flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
                                          kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens,
-                                         prefix_cache=prefix_cache))
+                                         prefix_cache=prefix_cache, kv_type=kv_type))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
