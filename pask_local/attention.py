@@ -112,7 +112,7 @@ def _last_error() -> str:
     return (api().last_error() or b"").decode() or "pask_kv_cell_positions failed"
 
 
-def probed_layered_context(model, capacities, config, probe: AttentionProbe | None):
+def probed_layered_context(model, capacities, config, probe: AttentionProbe | None, unified: bool = False):
     """A LayeredContext whose llama_context_params carry ``probe``'s eval callback (if any)."""
     from .kv_layered import LayeredContext
 
@@ -123,4 +123,4 @@ def probed_layered_context(model, capacities, config, probe: AttentionProbe | No
                 probe.install(p)
             return p
 
-    return _Probed(model, capacities, config)
+    return _Probed(model, capacities, config, unified=unified)

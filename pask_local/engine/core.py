@@ -119,6 +119,7 @@ class SlotSpec:
     flash_attn: bool = False
     reuse: int = 0          # prompt positions [0, reuse) already in the stream (a cached prefix)
     kv_type: str = "f16"    # the pool's K/V element type
+    probe: AttentionProbe | None = None  # a shared prefill's probe (engine.shared): its owner resets and frees it
 
 
 @dataclass
@@ -217,9 +218,11 @@ class Engine:
         finally:
             run.close()
 
-    def start_in_slot(self, prepared: Prepared, slot: SlotSpec, on_token: TokenHook | None = None) -> _Run:
-        """Begin a prepared request in a pool slot; the pool decodes its chunks and tokens (``engine.pool``)."""
-        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(None), slot)
+    def start_in_slot(self, prepared: Prepared, slot: SlotSpec, on_token: TokenHook | None = None,
+                      trace: str | Path | None = None) -> _Run:
+        """Begin a prepared request in a slot of a shared context; its owner (``engine.pool``,
+        ``engine.shared``) decodes its chunks and tokens."""
+        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), slot)
         try:
             run.begin(prepared.plan, prepared.request, on_token)
         except BaseException:
@@ -272,10 +275,13 @@ class _Run:
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
-        if slot is not None and not slot_ready(self.method):
+        if slot is not None and slot.probe is None and not slot_ready(self.method):
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it cannot run in a shared slot pool")
-        self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
+        if slot is not None:
+            self.probe = slot.probe if self.needs_attn else None
+        else:
+            self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
         # a quantized V cache needs flash attention (llama.cpp); the engine refused score methods for it
         self.flash_attn = (self.cfg.flash_attn or self.cfg.kv_type != "f16") and not self.needs_attn
         kv = kv_type_id(self.cfg.kv_type)
@@ -481,11 +487,11 @@ class _Run:
                 self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
-            if self.step is not None and self.cfg.compact:
+            if self.step is not None and self.cfg.compact and self.slot is None:  # a slot's cells may be shared
                 # the kept cells lie scattered over the whole prompt's cells: gather them at the
                 # bottom, so that decoding attends n_kv ~ the budget, not the prompt
                 self.step.compact()
-        if self.probe is not None and not self.scores_each_decode:
+        if self.probe is not None and not self.scores_each_decode and self.slot is None:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
         self.after_prefill = self.held_counts()
         self.t1 = time.perf_counter()
@@ -699,7 +705,7 @@ class _Run:
         self.trace.close()
         if self.step is not None:
             self.step.close()
-        if self.slot is None:  # a pool's context outlives its requests
+        if self.slot is None:  # a pool's context (and a shared probe) outlives its requests
             self.ctx.close()
-        if self.probe is not None:
-            self.probe.close()
+            if self.probe is not None:
+                self.probe.close()

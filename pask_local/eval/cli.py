@@ -71,6 +71,10 @@ def eval_command(
                                           "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
     = True,
     kv_type: KvTypeOption = "f16",
+    share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="Runs whose method "
+                                                "prefills the whole prompt before compressing (snapkv, "
+                                                "pyramidkv, pask-attn, any budget) share one prefill per case "
+                                                "and decode together.")] = True,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -102,7 +106,7 @@ def eval_command(
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis,
-                     compact=compact, kv_type=kv_type)
+                     compact=compact, kv_type=kv_type, share_prefill=share_prefill)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -210,18 +210,79 @@ class EngineGenerator:
             res = self.engine.run(task.functions, task.request, parallel=task.parallel, examples=task.examples)
         except PaskError as exc:
             return _failed(f"{type(exc).__name__}: {exc}", t0)
-        stats = res.stats or {}
-        prefill = float(stats.get("prefill_ms", 0.0)) / 1e3
-        text = res.text
-        extra = {k: v for k, v in stats.items() if _plain(v)}
-        if res.prompt.style == "native":
-            extra["raw_output"] = res.text
-            text = json.dumps(res.parsed, ensure_ascii=False) if res.parsed is not None else res.text
-        return GenerationOutput(text, len(res.prompt.tokens), 0, len(res.tokens), time.perf_counter() - t0,
-                                prefill, res.finish, None, extra)
+        return _engine_output(res, time.perf_counter() - t0)
 
     def close(self) -> None:
         self.model.close()
+
+
+def _engine_output(res: Any, seconds: float) -> GenerationOutput:
+    """An engine result as the harness records it (native output handed to the checker as call JSON)."""
+    stats = res.stats or {}
+    prefill = float(stats.get("prefill_ms", 0.0)) / 1e3
+    text = res.text
+    extra = {k: v for k, v in stats.items() if _plain(v)}
+    if res.prompt.style == "native":
+        extra["raw_output"] = res.text
+        text = json.dumps(res.parsed, ensure_ascii=False) if res.parsed is not None else res.text
+    return GenerationOutput(text, len(res.prompt.tokens), 0, len(res.tokens), seconds, prefill, res.finish, None,
+                            extra)
+
+
+Run = tuple[str, float | None]
+
+
+class SharedPrefillGenerator:
+    """The (method, budget) runs whose methods prefill the whole prompt before compressing (SnapKV,
+    PyramidKV, pask-attn, at any budget), answered from one prefill per case (``engine.shared``).
+
+    ``generate_many`` returns one output per run; each run's ``seconds`` is the case's wall time
+    divided by the runs that shared it (its ``prefill_seconds`` is the shared prefill's)."""
+
+    def __init__(self, runs: list[Run], spec: GeneratorSpec) -> None:
+        from ..engine import Engine, make_method
+        from ..engine.shared import shares_prefill
+        from ..llm import Model
+
+        self.spec = spec
+        self.model = Model(spec.gguf)
+        self.engines: dict[Run, Any] = {}
+        for method, budget in runs:
+            if budget is None:
+                continue
+            m = make_method(method, self.model)
+            if shares_prefill(m) and not m.keeps_all:
+                self.engines[(method, budget)] = Engine(self.model, m, spec.engine_config(budget))
+        self.runs = list(self.engines)
+
+    def view(self, run: Run) -> Any:
+        """What the harness's record needs of a generator: its method and budget."""
+        return _RunView(*run)
+
+    def generate_many(self, case: Case, runs: list[Run]) -> dict[Run, GenerationOutput]:
+        from ..chat.messages import user_message
+        from ..engine.shared import run_shared
+
+        t0 = time.perf_counter()
+        task = make_task(case, self.spec.use_examples)
+        engines = [self.engines[r] for r in runs]
+        try:
+            prepared = [e.prepare(user_message(task.request), task.functions, "required", task.parallel,
+                                  task.examples) for e in engines]
+            results = run_shared(engines, prepared)
+        except PaskError as exc:
+            return {r: _failed(f"{type(exc).__name__}: {exc}", t0) for r in runs}
+        share = (time.perf_counter() - t0) / len(runs)
+        return {r: _engine_output(res, share) for r, res in zip(runs, results, strict=True)}
+
+    def close(self) -> None:
+        self.model.close()
+
+
+@dataclass(frozen=True)
+class _RunView:
+    method: str
+    budget: float | None
 
 
 def _plain(v: Any) -> bool:

@@ -30,7 +30,7 @@ from ..errors import PaskError
 from .checker import score_output
 from .data import Case, load_cases
 from .fidelity import FidelityMeter
-from .generator import Generator, GeneratorSpec, check_methods, make_generator
+from .generator import Generator, GeneratorSpec, SharedPrefillGenerator, check_methods, make_generator
 from .prompting import pick_examples
 from .split import select
 from .store import ResultStore, record_key
@@ -56,6 +56,7 @@ class EvalConfig:
     hysteresis: float = 0.02    # EngineConfig.hysteresis of every method
     compact: bool = True        # EngineConfig.compact of every method
     kv_type: str = "f16"        # EngineConfig.kv_type of every method (and of Full KV)
+    share_prefill: bool = True  # compress-after-prefill runs share one prefill per case (engine.shared)
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
 
@@ -128,6 +129,7 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
         "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
         "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
         "hysteresis": cfg.hysteresis, "compact": cfg.compact, "kv_type": cfg.kv_type,
+        "share_prefill": cfg.share_prefill,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
     }
 
@@ -158,6 +160,37 @@ def _done(store: ResultStore, case: Case, run: tuple[str, float | None], fidelit
 GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 
 
+def _spec(cfg: EvalConfig, budget: float | None) -> GeneratorSpec:
+    return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
+                         prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
+                         kv_type=cfg.kv_type)
+
+
+def _run_shared(cfg: EvalConfig, cases: list[Case], pending: dict, store: ResultStore, progress: Any,
+                task: Any) -> None:
+    """The pending runs that can share a prefill, case by case; their pending lists are emptied."""
+    gen = SharedPrefillGenerator([r for r in pending if pending[r]], _spec(cfg, None))
+    try:
+        if len(gen.runs) < 2:
+            return
+        todo = {r: {c.id for c in pending[r]} for r in gen.runs}
+        n_ok = n = 0
+        for case in cases:
+            runs = [r for r in gen.runs if case.id in todo[r]]
+            if not runs:
+                continue
+            for run, out in gen.generate_many(case, runs).items():
+                rec = _record(case, gen.view(run), out)
+                store.add(rec)
+                n += 1
+                n_ok += rec["valid"]
+                progress.update(task, advance=1, description=f"shared prefill x{len(runs)} acc {n_ok}/{n}")
+        for r in gen.runs:
+            pending[r] = []
+    finally:
+        gen.close()
+
+
 def run_eval(cfg: EvalConfig, console: Console | None = None,
              factory: GeneratorFactory = make_generator) -> tuple[ResultStore, list[Case], list[tuple[str, float | None]]]:
     """Generate and score every pending (case, method, budget); returns the store, cases and runs."""
@@ -173,13 +206,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=total == 0) as progress:
         task = progress.add_task("eval", total=total)
+        if cfg.share_prefill and meter is None and sum(1 for r in runs if r[1] is not None and pending[r]) > 1:
+            _run_shared(cfg, cases, pending, store, progress, task)
         for (method, budget), todo in pending.items():
             if not todo:
                 continue
-            spec = GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
-                                 prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis,
-                                 compact=cfg.compact, kv_type=cfg.kv_type)
-            gen = factory(method, spec)
+            gen = factory(method, _spec(cfg, budget))
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0
             try:
