@@ -246,3 +246,20 @@ def test_a_compressed_prefix_is_reused_within_the_budget(model):
         assert r.ok and r.calls[0]["name"] == "get_weather", r.text
         assert r.stats["max_over_budget_entries"] <= 0
         assert r.stats["budget_used_after_prefill"] <= 0.33 + 64 / r.stats["n_prompt"]
+
+
+def test_no_reuse_after_a_sliding_window_moved_on(model):
+    """Gemma's sliding-window layers (512) dropped what left the window of a long request: a prompt
+    sharing its beginning must not start from that stream."""
+    lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 1024, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        filler = " ".join(f"Note {i}: the office plant needs water on day {i}." for i in range(45))
+        results = []
+        for city in ("Paris", "Rome"):
+            e = engine(model, "full", 1.0)
+            results.append(pool.execute(e, e.prepare(user_message(filler + " " + ask(city)), WEATHER, "required")))
+    finally:
+        pool.close()
+    assert results[0].stats["n_prompt"] > 512 and results[1].ok
+    assert results[1].stats["prefix_reused"] == 0

@@ -26,6 +26,12 @@ from its name.
 is allocated; a prompt that does not fit is a ``ContextLengthError``), ``Engine.execute`` runs a
 prepared request; its ``on_token`` hook sees each generated token and can stop the loop
 (streaming, a client that went away). ``Engine.chat`` is both in one call.
+
+A request's run is a step machine (``begin``, ``prefill_bounds``/``after_chunk``, ``end_prefill``,
+``next_token``/``after_token``, ``result``) that does not own the decode calls: ``execute`` drives
+it alone in its own context; ``Engine.start_in_slot`` hands it to the owner of a shared context
+(``engine.pool``: continuous batching, one KV stream per request; ``engine.shared``: one prefill
+for several methods), whose ``SlotSpec`` says which sequence and cells it has.
 """
 
 from __future__ import annotations

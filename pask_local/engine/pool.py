@@ -123,6 +123,10 @@ class SlotPool:
         self.prefix_cache = prefix_cache
         self.min_reuse = max(1, min_reuse)
         self._held_tokens: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
+        swa, window = swa_layers(model)
+        # a sliding-window layer drops positions that left its window: a stream that ran past it no
+        # longer holds the window a new request at the shared prefix's end needs
+        self.reuse_limit = window if swa and window > 0 else None
         self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
         n_batch = layout.slots * chunk
         flash_attn = flash_attn or layout.kv_type != "f16"  # a quantized V cache needs flash attention
@@ -283,7 +287,7 @@ class SlotPool:
         best, best_n = -1, 0
         for seq in self._free:
             held = self._held_tokens.get(seq)
-            if not held:
+            if not held or (self.reuse_limit is not None and len(held) > self.reuse_limit):
                 continue
             n = common_prefix(held, tokens[:-1])  # the last prompt token is always decoded (its logits)
             if n > best_n:
