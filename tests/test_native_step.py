@@ -294,6 +294,58 @@ def test_compaction_gathers_the_held_cells_and_keeps_attention_as_upstream(tmp_p
         c.close()
 
 
+@pytest.mark.parametrize("fa", [False, True])
+def test_compaction_of_one_stream_leaves_the_others_as_upstream(tmp_path, fa):
+    """A stream per sequence (the slot pool): compacting sequence 1 moves only its stream's cells and
+    rows; both sequences then decode as upstream's two-stream cache after the same ``seq_rm``."""
+    import sys
+
+    from pask_local.attention import cell_positions
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.llm import Context
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from kv_layered_helpers import random_tokens, synthetic
+
+    model = Model(synthetic(tmp_path, "qwen3"))
+    n = 120
+    toks = {0: random_tokens(n, model.n_vocab, seed=7), 1: random_tokens(n, model.n_vocab, seed=3)}
+    cfg = ContextConfig(n_ctx=1024, n_batch=128, n_seq_max=2, type_k=0, type_v=0, flash_attn=fa)
+    up, lay = Context(model, cfg), LayeredContext(model, [512] * model.n_layer, cfg)
+    for c in (up, lay):
+        for seq in (0, 1):
+            assert c.decode(toks[seq], 0, seq_id=seq) == 0
+    rng = np.random.default_rng(0)
+    evicted = {seq: sorted(rng.choice(np.arange(4, n - 8), size=60, replace=False).tolist()) for seq in (0, 1)}
+    for seq in (0, 1):
+        for il in range(model.n_layer):
+            lay.evict(il, evicted[seq], seq)
+        for p in evicted[seq]:
+            up.seq_rm(seq, p, p + 1)
+    before0 = [cell_positions(lay, il, 0).copy() for il in range(model.n_layer)]
+    step = NativeStep(lay, [LayerRule(StepRule("sink_recent", n_sink=4), cap=8, ratio=0.3)] * model.n_layer,
+                      [0] * n, 512, n, seq_id=1)
+    assert step.compact() > 0
+    held = sorted(set(range(n)) - set(evicted[1]))
+    for il in range(model.n_layer):
+        cells = cell_positions(lay, il, 1)
+        assert (cells[:len(held)] >= 0).all() and (cells[len(held):] < 0).all()
+        assert sorted(cells[cells >= 0].tolist()) == held
+        np.testing.assert_array_equal(cell_positions(lay, il, 0), before0[il])  # the other stream: untouched
+    worst = scale = 0.0
+    for i, t in enumerate(random_tokens(6, model.n_vocab, seed=5)):
+        for seq in (0, 1):
+            for c in (up, lay):
+                assert c.decode([t], n + i, seq_id=seq) == 0
+            ref = np.asarray(up.logits())
+            worst = max(worst, float(np.abs(np.asarray(lay.logits()) - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+    assert worst <= (2e-2 if fa else 1e-4) * scale
+    step.close()
+    for c in (up, lay):
+        c.close()
+
+
 @pytest.mark.slow
 def test_engine_compacts_after_a_one_time_compression(model, tmp_path):
     """SnapKV prefills the prompt whole, compresses it once; compaction then lets n_kv shrink."""

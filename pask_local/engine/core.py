@@ -126,6 +126,7 @@ class SlotSpec:
     reuse: int = 0          # prompt positions [0, reuse) already in the stream (a cached prefix)
     kv_type: str = "f16"    # the pool's K/V element type
     probe: AttentionProbe | None = None  # a shared prefill's probe (engine.shared): its owner resets and frees it
+    compact: bool = False   # after the prefill, gather the sequence's held cells at its stream's lowest indices
 
 
 @dataclass
@@ -493,10 +494,14 @@ class _Run:
                 self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
-            if self.step is not None and self.cfg.compact and self.slot is None:  # a slot's cells may be shared
+            if self.step is not None and self.cfg.compact and self.slot is None:
                 # the kept cells lie scattered over the whole prompt's cells: gather them at the
                 # bottom, so that decoding attends n_kv ~ the budget, not the prompt
                 self.step.compact()
+        elif self.slot is not None and self.slot.compact and self.step is not None and self.cfg.compact:
+            # a pool slot's stream is sized for its longest request: what a prefill kept is spread
+            # over the cells it wrote; gathered, decoding attends n_kv ~ what is held
+            self.step.compact()
         if self.probe is not None and not self.scores_each_decode and self.slot is None:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
         self.after_prefill = self.held_counts()

@@ -268,7 +268,7 @@ class SlotPool:
                 continue
             seq, reuse = self._pick_slot(req.prepared.plan.prompt.tokens)
             spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse,
-                            self.layout.kv_type)
+                            self.layout.kv_type, compact=True)
             try:
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
             except BaseException as exc:
