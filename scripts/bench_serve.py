@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+
+from loopback import free_port, proc_memory  # noqa: E402
 
 
 def pick_requests(model_path: Path, n: int, lo: int, hi: int) -> list[dict]:
@@ -79,24 +80,9 @@ def full_slot_bytes(model_path: Path, slot_len: int) -> int:
     return one
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
-
-
-def _vmhwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class Served:
@@ -104,7 +90,7 @@ class Served:
 
     def __init__(self, gguf: Path, method: str, budget: float, kv_mem_mib: int, slot_len: int, max_tokens: int,
                  threads: int, prefill_tokens: int, prefix_cache: bool) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "PASK_THREADS": str(threads), "PYTHONPATH": str(REPO)}
         cmd = [sys.executable, "-m", "pask_local.cli", "serve", "--gguf", str(gguf), "--method", method,
                "--budget", str(budget), "--kv-mem", str(kv_mem_mib), "--max-context", str(slot_len),
@@ -127,7 +113,7 @@ class Served:
                 time.sleep(0.3)
 
     def stop(self) -> int:
-        peak = _vmhwm(self.proc.pid) if self.proc.poll() is None else 0
+        peak = proc_memory(self.proc.pid, "VmHWM") if self.proc.poll() is None else 0
         self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(60)

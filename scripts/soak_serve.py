@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from loopback import free_port, proc_memory  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
@@ -49,19 +51,6 @@ CITIES = ["Oslo", "Paris", "Rome", "Lima", "Cairo", "Quito", "Seoul", "Hanoi", "
 MIX = ["call", "bad_json", "call_stream", "unknown_model", "call_named", "bad_tools", "call_parallel",
        "drop_stream", "call", "too_long", "bad_method"]
 EXPECT = {"bad_json": 400, "unknown_model": 404, "bad_tools": 400, "too_long": 400, "bad_method": 400}
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def _rss(pid: int) -> int:
-    m = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), flags=re.M)
-    return int(m.group(1)) * 1024 if m else 0
 
 
 def _post(url: str, body: bytes) -> tuple[int, str]:
@@ -176,7 +165,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PASK_THREADS": str(args.threads or os.cpu_count()), "PYTHONPATH": str(REPO)}
     model_args = ["--gguf", args.gguf] if args.gguf else ["--model", args.model]
@@ -217,7 +206,7 @@ def main() -> int:
         with lock:
             results.append(res)
             if len(results) == warm:
-                rss_warm = _rss(proc.pid)
+                rss_warm = proc_memory(proc.pid)
             if len(results) % 25 == 0:
                 print(f"\r[soak] {len(results)}/{args.requests} requests, {time.monotonic() - t0:.0f} s",
                       end="", file=sys.stderr, flush=True)
@@ -231,7 +220,7 @@ def main() -> int:
         deadline = time.monotonic() + 60
         while _metric(url, "pask_slots_busy") and time.monotonic() < deadline:  # dropped streams wind down
             time.sleep(0.2)
-        rss_end = _rss(proc.pid)
+        rss_end = proc_memory(proc.pid)
         errors = _metric(url, 'pask_requests_finished_total{reason="error"}')
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             health = json.loads(r.read())
