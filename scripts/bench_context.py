@@ -51,6 +51,24 @@ def synthetic_qwen3_4b(out_dir: Path, n_layer: int = 36) -> Path:
     return path
 
 
+def add_model_options(ap: argparse.ArgumentParser) -> None:
+    """--gguf / --model, or --synthetic qwen3-4b (timing-only) with its directory and layer count."""
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--synthetic", choices=["qwen3-4b"], default=None)
+    ap.add_argument("--synthetic-dir", type=Path, default=Path.home() / ".cache" / "pask-local" / "synthetic")
+    ap.add_argument("--synthetic-layers", type=int, default=36, help="fewer layers: a quicker timing-only model")
+
+
+def bench_model(args: argparse.Namespace) -> Path:
+    """The GGUF the options of ``add_model_options`` name (PaskError when it cannot be had)."""
+    from pask_local.models import resolve_model
+
+    if args.synthetic:
+        return synthetic_qwen3_4b(args.synthetic_dir, args.synthetic_layers)
+    return resolve_model(args.gguf, args.model)
+
+
 def tools_for_length(model, n_tokens: int) -> tuple[int, int]:
     """The fewest repeated tools whose prompt has >= n_tokens tokens: (tools, prompt tokens)."""
     from bench_engine import tool_set
@@ -100,11 +118,7 @@ def run_one(spec: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default=None)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--synthetic", choices=["qwen3-4b"], default=None)
-    ap.add_argument("--synthetic-dir", type=Path, default=Path.home() / ".cache" / "pask-local" / "synthetic")
-    ap.add_argument("--synthetic-layers", type=int, default=36, help="fewer layers: a quicker timing-only model")
+    add_model_options(ap)
     ap.add_argument("--contexts", default="2048,8192,16384,32768")
     ap.add_argument("--methods", default="pask")
     ap.add_argument("--budgets", default="0.33,0.2")
@@ -119,7 +133,6 @@ def main() -> int:
 
     from pask_local.errors import PaskError
     from pask_local.llm import Model
-    from pask_local.models import resolve_model
 
     try:
         lengths = [int(x) for x in args.contexts.split(",") if x.strip()]
@@ -128,8 +141,7 @@ def main() -> int:
         print("error: --contexts takes integers and --budgets numbers, comma-separated", file=sys.stderr)
         return 2
     try:
-        gguf = (synthetic_qwen3_4b(args.synthetic_dir, args.synthetic_layers) if args.synthetic
-                else resolve_model(args.gguf, args.model))
+        gguf = bench_model(args)
         model = Model(gguf)
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)

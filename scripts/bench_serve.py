@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from bench_context import add_model_options, bench_model  # noqa: E402
 from loopback import free_port, proc_memory  # noqa: E402
 
 
@@ -231,11 +232,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default=None)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--synthetic", choices=["qwen3-4b"], default=None)
-    ap.add_argument("--synthetic-dir", type=Path, default=Path.home() / ".cache" / "pask-local" / "synthetic")
-    ap.add_argument("--synthetic-layers", type=int, default=36)
+    add_model_options(ap)
     ap.add_argument("--methods", default="full,pask-prior,streaming")
     ap.add_argument("--budget", type=float, default=0.33)
     ap.add_argument("--kv-mem", type=int, default=0, help="MiB of K/V for every method (0: --full-slots Full slots)")
@@ -257,7 +254,6 @@ def main() -> int:
     from rich.table import Table
 
     from pask_local.errors import PaskError
-    from pask_local.models import resolve_model
 
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
@@ -270,12 +266,7 @@ def main() -> int:
         print("error: --prefix-cache takes on, off or off,on", file=sys.stderr)
         return 2
     try:
-        if args.synthetic:
-            from bench_context import synthetic_qwen3_4b
-
-            gguf = synthetic_qwen3_4b(args.synthetic_dir, args.synthetic_layers)
-        else:
-            gguf = resolve_model(args.gguf, args.model)
+        gguf = bench_model(args)
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

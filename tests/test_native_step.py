@@ -245,6 +245,20 @@ def test_flash_attention_reaches_the_context_and_is_off_for_score_methods(model,
 
 
 # ------------------------------------------------------------------ compaction after a one-time compression
+def _logit_gap(up, lay, tokens, n, seqs) -> tuple[float, float]:
+    """Decode ``tokens`` from position n in each of ``seqs`` of both contexts: (largest logit gap of
+    ``lay`` from ``up``, largest |logit| of ``up``)."""
+    worst = scale = 0.0
+    for i, t in enumerate(tokens):
+        for seq in seqs:
+            for c in (up, lay):
+                assert c.decode([t], n + i, seq_id=seq) == 0
+            ref = np.asarray(up.logits())
+            worst = max(worst, float(np.abs(np.asarray(lay.logits()) - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+    return worst, scale
+
+
 @pytest.mark.parametrize("fa", [False, True])
 def test_compaction_gathers_the_held_cells_and_keeps_attention_as_upstream(tmp_path, fa):
     """After scattered evictions, compaction moves every held cell (and its K/V rows, V transposed
@@ -280,13 +294,7 @@ def test_compaction_gathers_the_held_cells_and_keeps_attention_as_upstream(tmp_p
         cells = cell_positions(lay, il)
         assert sorted(cells[cells >= 0].tolist()) == held                        # the same positions ...
         assert (cells[:len(held)] >= 0).all() and (cells[len(held):] < 0).all()  # ... in the lowest cells
-    worst = scale = 0.0
-    for i, t in enumerate(random_tokens(12, model.n_vocab, seed=5)):
-        for c in (up, lay):
-            assert c.decode([t], n + i) == 0
-        ref = np.asarray(up.logits())
-        worst = max(worst, float(np.abs(np.asarray(lay.logits()) - ref).max()))
-        scale = max(scale, float(np.abs(ref).max()))
+    worst, scale = _logit_gap(up, lay, random_tokens(12, model.n_vocab, seed=5), n, (0,))
     # seen here: 4.5e-6 without flash attention (logits up to 7.3), ~1e-2 with it (its F16 accumulation)
     assert worst <= (2e-2 if fa else 1e-4) * scale
     step.close()
@@ -332,14 +340,7 @@ def test_compaction_of_one_stream_leaves_the_others_as_upstream(tmp_path, fa):
         assert (cells[:len(held)] >= 0).all() and (cells[len(held):] < 0).all()
         assert sorted(cells[cells >= 0].tolist()) == held
         np.testing.assert_array_equal(cell_positions(lay, il, 0), before0[il])  # the other stream: untouched
-    worst = scale = 0.0
-    for i, t in enumerate(random_tokens(6, model.n_vocab, seed=5)):
-        for seq in (0, 1):
-            for c in (up, lay):
-                assert c.decode([t], n + i, seq_id=seq) == 0
-            ref = np.asarray(up.logits())
-            worst = max(worst, float(np.abs(np.asarray(lay.logits()) - ref).max()))
-            scale = max(scale, float(np.abs(ref).max()))
+    worst, scale = _logit_gap(up, lay, random_tokens(6, model.n_vocab, seed=5), n, (0, 1))
     assert worst <= (2e-2 if fa else 1e-4) * scale
     step.close()
     for c in (up, lay):

@@ -243,7 +243,8 @@ def slot_ready(method: Method) -> bool:
     return method.keeps_all or not (method.needs_attention or method.compress_after_prefill)
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int = EngineConfig.cell_align) -> int:
+    """``n`` rounded up to a multiple of ``align`` (cells: upstream pads n_ctx the same way)."""
     return -(-n // align) * align if align > 1 else n
 
 
@@ -312,7 +313,7 @@ class _Run:
             self.needed = [self._swa_cap(il, p) for il, p in enumerate(phys)]
             # upstream pads n_ctx (and so n_kv) to 256; equal padding keeps budget 1.0 equal to Full KV
             # bit for bit, and the GPU kernels need n_kv % 256 == 0 (the bytes this costs: stats)
-            self.phys = [min(_round_up(p, self.cfg.cell_align), _round_up(max_len, self.cfg.cell_align))
+            self.phys = [min(round_up(p, self.cfg.cell_align), round_up(max_len, self.cfg.cell_align))
                          for p in self.needed]
             self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
         # layer groups for reporting: the method's (PASK: its policy's groups)
@@ -453,15 +454,18 @@ class _Run:
             return
         if self.planned is not None:
             for il in range(self.n_layer):
-                held = self.held(il)
-                drop = held[~self.planned[il][held]]
-                if len(drop):
-                    self.ctx.evict(il, drop.tolist(), self.seq_id)
-                    self._log_evict(il, drop, -1, "policy")
+                self._evict_unplanned(il, self.held(il))
         else:
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "window")
         self.evict_swa_window(n - 1, -1)
+
+    def _evict_unplanned(self, il: int, positions: np.ndarray) -> None:
+        """Evict from layer il those of ``positions`` (prompt positions) its plan does not keep."""
+        drop = positions[~self.planned[il][positions]]
+        if len(drop):
+            self.ctx.evict(il, drop.tolist(), self.seq_id)
+            self._log_evict(il, drop, -1, "policy")
 
     def before_decode(self) -> None:
         if self.probe is not None:
@@ -475,12 +479,9 @@ class _Run:
         if self.scores_each_decode:
             self.collect_scores(self._incremental_stat())
         if self.planned is not None:
+            arrived = np.arange(a, b)
             for il in range(self.n_layer):
-                arrived = np.arange(a, b)
-                drop = arrived[~self.planned[il][a:b]]
-                if len(drop):
-                    self.ctx.evict(il, drop.tolist(), self.seq_id)
-                    self._log_evict(il, drop, -1, "policy")
+                self._evict_unplanned(il, arrived)
         elif not self.method.compress_after_prefill:
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
@@ -488,19 +489,17 @@ class _Run:
 
     def end_prefill(self) -> None:
         """The whole prompt is in: compress once (compress-after-prefill methods), start decoding."""
-        if self.method.compress_after_prefill and not self.full:
+        compressed = self.method.compress_after_prefill and not self.full
+        if compressed:
             self.peak_prefill = self.held_counts()
             if self.needs_attn:
                 self.collect_scores(WINDOW)
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score")
-            if self.step is not None and self.cfg.compact and self.slot is None:
-                # the kept cells lie scattered over the whole prompt's cells: gather them at the
-                # bottom, so that decoding attends n_kv ~ the budget, not the prompt
-                self.step.compact()
-        elif self.slot is not None and self.slot.compact and self.step is not None and self.cfg.compact:
-            # a pool slot's stream is sized for its longest request: what a prefill kept is spread
-            # over the cells it wrote; gathered, decoding attends n_kv ~ what is held
+        # the kept cells lie scattered over the cells the prefill wrote (the whole prompt's, or a pool
+        # slot's, sized for its longest request): gathered at the bottom, decoding attends n_kv ~ what
+        # is held. A slot says whether its cells are its own to move (a shared prefill's are not).
+        if self.step is not None and self.cfg.compact and (self.slot.compact if self.slot is not None else compressed):
             self.step.compact()
         if self.probe is not None and not self.scores_each_decode and self.slot is None:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies

@@ -36,13 +36,17 @@ from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, ContextConfig, Model
 from ..methods import Method
 from ..model_info import swa_layers
-from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, kv_type_id, slot_ready
-
-CELL_ALIGN = 256
-
-
-def _round_up(n: int, align: int = CELL_ALIGN) -> int:
-    return -(-n // align) * align
+from .core import (
+    Engine,
+    EngineConfig,
+    EngineResult,
+    Prepared,
+    SlotSpec,
+    TokenHook,
+    kv_type_id,
+    round_up,
+    slot_ready,
+)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -75,14 +79,14 @@ class PoolLayout:
 def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
     """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc)."""
     swa, window = swa_layers(model)
-    full = _round_up(slot_len)
+    full = round_up(slot_len)
     if method.keeps_all:
         return [full] * model.n_layer
     need = min(slot_len, math.ceil(budget * slot_len) + chunk)
     caps = []
     for il in range(model.n_layer):
         c = min(need, window + chunk) if (il in swa and window > 0) else need
-        caps.append(min(_round_up(c), full))
+        caps.append(min(round_up(c), full))
     return caps
 
 
@@ -99,6 +103,11 @@ class _Request:
     next_chunk: int = 0
     token: int | None = None   # the token to decode next (decoding phase)
     admitted_at: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt chunks are still to decode."""
+        return self.next_chunk < len(self.chunks)
 
 
 class SlotPool:
@@ -131,7 +140,7 @@ class SlotPool:
         n_batch = layout.slots * chunk
         flash_attn = flash_attn or layout.kv_type != "f16"  # a quantized V cache needs flash attention
         kv = kv_type_id(layout.kv_type)
-        cfg = ContextConfig(n_ctx=layout.slots * _round_up(layout.slot_len), n_batch=n_batch,
+        cfg = ContextConfig(n_ctx=layout.slots * round_up(layout.slot_len), n_batch=n_batch,
                             n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn, type_k=kv, type_v=kv)
         self.flash_attn = flash_attn
         if layout.full:
@@ -184,7 +193,7 @@ class SlotPool:
     def _measure(model: Model, full: bool, caps: list[int], slot_len: int, kv_type: str = "f16") -> int:
         """K/V bytes of one slot, read from a one-slot context of the same kind."""
         kv = kv_type_id(kv_type)
-        cfg = ContextConfig(n_ctx=_round_up(slot_len), n_batch=CELL_ALIGN, n_seq_max=1, flash_attn=kv_type != "f16",
+        cfg = ContextConfig(n_ctx=round_up(slot_len), n_batch=EngineConfig.cell_align, n_seq_max=1, flash_attn=kv_type != "f16",
                             type_k=kv, type_v=kv)
         ctx: Context = Context(model, cfg) if full else LayeredContext(model, caps, cfg)
         try:
@@ -348,7 +357,8 @@ class SlotPool:
         seqs: list[int] = []
         want: list[bool] = []
         rows: list[tuple[_Request, int]] = []   # (request, its logits row or -1)
-        prefilling = sorted((r for r in self._active if r.next_chunk < len(r.chunks)), key=lambda r: r.admitted_at)
+        n_prompt_toks = 0
+        prefilling = sorted((r for r in self._active if r.prefilling), key=lambda r: r.admitted_at)
         room = self.prefill_tokens or len(prefilling) * self.chunk
         fed: set[int] = set()
         for r in prefilling:
@@ -359,14 +369,14 @@ class SlotPool:
             room -= b - a
         for req in sorted(self._active, key=lambda r: r.seq):
             if req.cancelled():
-                if req.next_chunk < len(req.chunks):  # still prefilling: no reply to build
+                if req.prefilling:  # no reply to build
                     self._release(req, exc=RequestCancelled("the request was cancelled while its prompt was read"))
                 else:
                     req.run.finish = "cancelled"
                     self._release(req)
                 continue
             run = req.run
-            if req.next_chunk < len(req.chunks):
+            if req.prefilling:
                 if id(req) not in fed:  # waits for a later step's prefill room
                     continue
                 a, b = req.chunks[req.next_chunk]
@@ -376,6 +386,7 @@ class SlotPool:
                     pos.append(p)
                     seqs.append(req.seq)
                     want.append(last and p == b - 1)
+                n_prompt_toks += b - a
             else:
                 toks.append(req.token)
                 pos.append(run.pos)
@@ -384,8 +395,7 @@ class SlotPool:
             rows.append((req, len(toks) - 1 if want[-1] else -1))
         if not rows:
             return
-        self.max_prompt_step = max(self.max_prompt_step, sum(1 for r, _ in rows if r.next_chunk < len(r.chunks)
-                                                             for _ in range(*r.chunks[r.next_chunk])))
+        self.max_prompt_step = max(self.max_prompt_step, n_prompt_toks)
         t1 = time.perf_counter()
         status = self.ctx.decode_batch(toks, pos, seqs, want)
         t2 = time.perf_counter()
@@ -406,11 +416,11 @@ class SlotPool:
 
     def _advance(self, req: _Request, row: int) -> None:
         run = req.run
-        if req.next_chunk < len(req.chunks):
+        if req.prefilling:
             a, b = req.chunks[req.next_chunk]
             run.after_chunk(a, b)
             req.next_chunk += 1
-            if req.next_chunk < len(req.chunks):
+            if req.prefilling:
                 return
             run.end_prefill()
         else:

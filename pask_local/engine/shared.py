@@ -23,9 +23,7 @@ from ..attention import AttentionProbe, probed_layered_context
 from ..errors import NativeError, PaskError
 from ..llm import ContextConfig
 from ..methods import Method
-from .core import Engine, EngineResult, Prepared, SlotSpec
-
-CELL_ALIGN = 256
+from .core import Engine, EngineResult, Prepared, SlotSpec, round_up
 
 
 def shares_prefill(method: Method) -> bool:
@@ -52,7 +50,7 @@ def run_shared(engines: list[Engine], prepared: list[Prepared], traces: list | N
                 e.cfg.probe_window != engines[0].cfg.probe_window:
             raise PaskError("the engines of a shared prefill need the same chunk, probe window and f16 KV")
     n, m = len(tokens), len(engines)
-    cells = -(-(n + sum(e.cfg.max_tokens + 1 for e in engines) + engines[0].cfg.chunk) // CELL_ALIGN) * CELL_ALIGN
+    cells = round_up(n + sum(e.cfg.max_tokens + 1 for e in engines) + engines[0].cfg.chunk)
     cfg0 = engines[0].cfg
     probe = AttentionProbe(model.n_layer, cfg0.probe_window) if any(e.method.needs_attention for e in engines) \
         else None
