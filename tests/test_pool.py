@@ -241,11 +241,12 @@ def test_a_compressed_prefix_is_reused_within_the_budget(model):
     finally:
         pool.close()
     assert first[0].stats["prefix_reused"] == 0
-    for r in first[1:]:
-        assert r.stats["prefix_reused"] >= 32
+    for i, r in enumerate(first):
+        assert (r.stats["prefix_reused"] >= 32) == (i > 0)
         assert r.ok and r.calls[0]["name"] == "get_weather", r.text
         assert r.stats["max_over_budget_entries"] <= 0
-        assert r.stats["budget_used_after_prefill"] <= 0.33 + 64 / r.stats["n_prompt"]
+        # pask-prior plans its prompt: what a prefill leaves is the plan, no chunk of slack
+        assert r.stats["budget_used_after_prefill"] <= 0.33 + 1 / r.stats["n_prompt"]
 
 
 def test_no_reuse_after_a_sliding_window_moved_on(model):
