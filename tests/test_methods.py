@@ -159,6 +159,38 @@ def test_pask_attention_order_keeps_class_shares_and_ranks_by_score():
         method.select(view(n, classes=classes, layer=0), caps[0])
 
 
+def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_across_classes():
+    """residual 'attention' (pask-hybrid): floored classes persist whole; the rest of the capacity goes
+    to the highest pooled scores whatever their class, so a hot description keeps all its room while
+    a cold class gets none (a class quota would have given every class a share)."""
+    from pask_local.policy.handwritten import hybrid_policy
+
+    S, D, T, Q, X = (class_index(c) for c in (C.SINK, C.DESCRIPTION, C.TOOL_NAME, C.QUERY, C.EXAMPLE))
+    classes = np.array([S] + ([T] * 2 + [D] * 20) * 3 + [X] * 30 + [Q] * 10)
+    n = len(classes)
+    scores = np.full(n, 0.01)
+    hot = np.arange(30, 40)                 # the middle of the second description
+    scores[hot] = 5.0
+    method = PASK(hybrid_policy(4), recent=0, residual="attention")
+    assert method.needs_attention and method.compress_after_prefill
+    cap = method.capacities(0.3, classes, 4)[0]
+    kept = set(method.select(view(n, scores=scores, classes=classes, layer=0), cap).tolist())
+    assert len(kept) == cap
+    floored = {i for i in range(n) if classes[i] in (S, T, Q)}
+    assert floored <= kept
+    rest = kept - floored
+    near_hot = set(range(hot[0] - 3, hot[-1] + 4))  # pooling (kernel 7) spreads the scores by 3
+    assert rest and rest <= near_hot
+    assert not kept & {i for i in range(n) if classes[i] == X}  # the cold examples get nothing
+    # the same floors as quotas with weights (pask-attn's allocation) give the examples a share
+    quota = PASK(hybrid_policy(4), recent=0)
+    quota_cap = quota.capacities(0.3, classes, 4)[0]
+    kept_quota = set(quota.select(view(n, scores=scores, classes=classes, layer=0), quota_cap).tolist())
+    assert kept_quota & {i for i in range(n) if classes[i] == X}
+    with pytest.raises(ValueError, match="within_class_order"):
+        PASK(_pask_policy(), residual="attention")
+
+
 def test_pask_rejects_policy_for_other_model():
     with pytest.raises(Exception, match="4 layers but the model has 6"):
         PASK(_pask_policy()).capacities(0.4, np.zeros(10, dtype=np.int64), 6)

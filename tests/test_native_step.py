@@ -27,7 +27,7 @@ from pask_local.llm import ContextConfig, Model
 from pask_local.methods import H2O, PASK, TOVA, LayerView, PyramidKV, SnapKV, StreamingLLM
 from pask_local.methods.base import StepRule
 from pask_local.native_step import LayerRule, NativeStep, select
-from pask_local.policy.handwritten import handwritten_policy
+from pask_local.policy.handwritten import handwritten_policy, hybrid_policy
 from pask_local.schema.tools import read_tools
 
 N_CLASSES = len(StructuralClass)
@@ -93,6 +93,22 @@ def test_native_select_equals_python_pask(v, order, budget, recent):
     assert nat.tolist() == ref.tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(v=views(), budget=st.floats(0.05, 1.0), recent=st.sampled_from([0, 4, 32]),
+       floored=st.sets(st.sampled_from(list(StructuralClass)), max_size=8))
+def test_native_select_equals_python_pask_hybrid(v, budget, recent, floored):
+    """pask-hybrid (floors as the only quotas, one shared rank for the rest, attention order)."""
+    all_classes, pos, scores, capacity, prompt_len, layer = v
+    pol = hybrid_policy(4)
+    pol.floors = [{c: (1.0 if c in floored else 0.0) for c in StructuralClass} for _ in pol.groups]
+    method = PASK(pol, recent=recent, residual="attention")
+    method.capacities(budget, all_classes, 4)
+    view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], scores=scores,
+                     prompt_len=prompt_len, all_classes=all_classes)
+    ref, nat = both(method, view, capacity)
+    assert nat.tolist() == ref.tolist()
+
+
 def test_native_select_can_disagree_with_a_wrong_rule():
     """The oracle test has teeth: a rule that differs from the method's (newest vs oldest first) is caught."""
     all_classes = np.array([0] + [6] * 40, dtype=np.int64)  # sink + one long description span
@@ -132,7 +148,8 @@ def run(model, method, budget, tmp_path, tag, **cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["pask", "pask-attn", "h2o", "tova", "snapkv", "pyramidkv", "streaming"])
+@pytest.mark.parametrize("method", ["pask", "pask-attn", "pask-hybrid", "h2o", "tova", "snapkv", "pyramidkv",
+                                    "streaming"])
 def test_engine_native_step_equals_python_reference(model, method, tmp_path):
     ref, ref_trace = run(model, method, 0.33, tmp_path, "ref", native_step=False)
     # hysteresis 0 and no compaction: the native step then evicts, and lays out cells, as the reference

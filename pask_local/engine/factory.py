@@ -11,9 +11,10 @@ from ..llm import Model
 from ..methods import BASELINES, METHOD_NAMES, PASK, Method
 from ..model_info import swa_layers
 from ..policy import Policy
-from ..policy.handwritten import handwritten_policy
+from ..policy.handwritten import handwritten_policy, hybrid_policy
 from ..policy.shipped import resolve_default_policy
 
+PASK_VARIANTS = ("pask", "pask-prior", "pask-attn", "pask-hybrid")
 # the methods that run the model's default (resolved) policy when none is given
 DEFAULT_POLICY_METHODS = ("pask", "pask-attn")
 
@@ -24,17 +25,21 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     model's default; ``warn`` receives the line saying when that is the hand-written prior).
     ``pask-prior`` is PASK with the hand-written prior (``policy/handwritten.py``), for comparisons;
     ``pask-attn`` is PASK with the resolved policy's class shares, ranked by attention inside each
-    class (its ``within_class_order`` set to ``attention``)."""
+    class (its ``within_class_order`` set to ``attention``); ``pask-hybrid`` keeps only a policy's
+    floors as class quotas (by default ``hybrid_policy``'s) and gives the rest of the budget to the
+    tokens attention ranks highest, whatever their class."""
     if name not in METHOD_NAMES:
         raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
-    if name not in ("pask", "pask-prior", "pask-attn"):
+    if name not in PASK_VARIANTS:
         if policy is not None:
-            raise PaskError(f"--policy applies to the pask and pask-attn methods only, not '{name}'")
+            raise PaskError(f"--policy applies to pask, pask-attn and pask-hybrid only, not '{name}'")
         return BASELINES[name]()
     if name == "pask-prior":
         if policy is not None:
             raise PaskError("pask-prior runs the hand-written prior policy; use --method pask with --policy")
         pol = handwritten_policy(model.n_layer)
+    elif name == "pask-hybrid" and policy is None:
+        pol = hybrid_policy(model.n_layer)
     elif policy is None:
         pol, warning = resolve_default_policy(model)
         if warning and warn is not None:
@@ -44,9 +49,9 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     else:
         pol = Policy.load(policy)
     pol.check_model(model.n_layer)
-    if name == "pask-attn":
+    if name in ("pask-attn", "pask-hybrid"):
         pol = dataclasses.replace(pol, within_class_order="attention")
     swa, window = swa_layers(model)
-    method = PASK(pol, swa_layers=swa, window=window)
-    method.name = name  # "pask", "pask-prior" or "pask-attn": what traces and stats report
+    method = PASK(pol, swa_layers=swa, window=window, residual="attention" if name == "pask-hybrid" else "weights")
+    method.name = name  # the variant's name: what traces and stats report
     return method

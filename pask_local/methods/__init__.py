@@ -16,8 +16,9 @@ BASELINES: dict[str, type[Method]] = {
     "pyramidkv": PyramidKV, "tova": TOVA,
 }
 # pask-prior: PASK with the hand-written prior policy; pask-attn: the model's policy, ranked by
-# attention inside each class (within_class_order "attention")
-METHOD_NAMES = (*BASELINES, "pask", "pask-prior", "pask-attn")
+# attention inside each class (within_class_order "attention"); pask-hybrid: structural floors, the
+# rest of the budget by attention (engine/factory.py)
+METHOD_NAMES = (*BASELINES, "pask", "pask-prior", "pask-attn", "pask-hybrid")
 
 __all__ = ["BASELINES", "METHOD_NAMES", "H2O", "PASK", "TOVA", "FullKV", "LayerView", "Method",
            "PyramidKV", "SnapKV", "StreamingLLM"]

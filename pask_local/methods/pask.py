@@ -11,6 +11,11 @@ the start of its description instead of the oldest tools losing theirs whole), o
 observation-window statistic, used only to rank tokens inside a class whose share the policy fixed).
 If rounding leaves the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give
 up tokens first, in the same order; if it leaves room, the most protective evicted tokens come back.
+
+``residual="attention"`` (the ``pask-hybrid`` variant): only the policy's floors are class quotas; the
+capacity left after them goes to the tokens the observation window attends to most, whatever their
+class (every class without a floor shares one protection rank, so attention alone orders them).
+Structure says what must persist (names, the query, the call); attention ranks everything else.
 With the structural orders only this lookup runs online and the prompt is evicted while it is
 prefilled; ``attention`` needs the statistic, so the prompt is prefilled whole and compressed once.
 """
@@ -35,8 +40,14 @@ class PASK(Method):
     scales_swa_capacity = False  # the compile step already counts sliding-window layers by their window
 
     def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
-                 recent: int = 32) -> None:
+                 recent: int = 32, residual: str = "weights") -> None:
+        if residual not in ("weights", "attention"):
+            raise ValueError(f"residual must be 'weights' or 'attention', got {residual!r}")
+        if residual == "attention" and policy.within_class_order != "attention":
+            raise ValueError("residual 'attention' ranks by attention: the policy's within_class_order must be it")
         self.policy = policy
+        self.residual = residual
+        self.ranks = [_RANK if residual == "weights" else _floor_ranks(f) for f in policy.floors]
         self.recent = recent
         self.swa_layers = swa_layers
         self.window = window
@@ -52,6 +63,8 @@ class PASK(Method):
         counts = np.bincount(classes, minlength=len(_ALL))
         self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
                                        self.swa_layers, self.window)
+        if self.residual == "attention":  # the floors are the only quotas; attention fills the rest
+            self.compiled.keep = [dict(f) for f in self.policy.floors]
         return self.compiled
 
     def report_groups(self, n_layer: int) -> list[list[int]]:
@@ -74,6 +87,7 @@ class PASK(Method):
         if len(pos) <= capacity:
             return np.sort(pos)
         keep_frac = self.compiled.keep[self.group_of[view.layer]]
+        rank = self.ranks[self.group_of[view.layer]]
         totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
         never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
         recent = never.copy()  # never-evict classes first, then the call being written, then the newest
@@ -97,21 +111,22 @@ class PASK(Method):
         # rank: protection rank, then worth within the class
         if kept.sum() > capacity:
             idx = np.flatnonzero(kept & ~recent)
-            order = np.lexsort((worth[idx], -_RANK[cls[idx]]))  # least protective, least worth first
+            order = np.lexsort((worth[idx], -rank[cls[idx]]))  # least protective, least worth first
             kept[idx[order[: kept.sum() - capacity]]] = False
         elif kept.sum() < capacity:
             idx = np.flatnonzero(~kept)
-            order = np.lexsort((-worth[idx], _RANK[cls[idx]]))  # most protective, most worth first
+            order = np.lexsort((-worth[idx], rank[cls[idx]]))  # most protective, most worth first
             kept[idx[order[: capacity - kept.sum()]]] = True
         return np.sort(pos[kept])
 
     def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
         if self.compiled is None:
             raise RuntimeError("PASK.step_rule before capacities()/compile()")
-        keep_frac = self.compiled.keep[self.group_of[layer]]
+        group = self.group_of[layer]
+        keep_frac = self.compiled.keep[group]
         return StepRule("quota", recent=self.recent, never=tuple(class_index(c) for c in self.policy.never_evict),
                         order=self.policy.within_class_order,
-                        keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in _RANK))
+                        keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in self.ranks[group]))
 
     def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
                scores: np.ndarray | None = None) -> np.ndarray:
@@ -129,6 +144,12 @@ class PASK(Method):
             # a smaller offset in its span persists first; among equal offsets, the newer span
             return -offset.astype(np.float64) + pos / (pos.max(initial=0) + 1.0)
         return pos.astype(np.float64)
+
+
+def _floor_ranks(floors: dict[StructuralClass, float]) -> np.ndarray:
+    """Protection ranks when attention fills the residual: classes with a floor keep their
+    ``PROTECTION_ORDER`` rank; every other class shares the one rank after them."""
+    return np.array([_RANK[i] if floors.get(c, 0.0) > 0.0 else len(_ALL) for i, c in enumerate(_ALL)])
 
 
 def span_offsets(classes: np.ndarray) -> np.ndarray:

@@ -6,6 +6,10 @@ are mostly protected; template tokens, types and optional names are half protect
 descriptions, schema punctuation and whitespace go first. The same table is used for every layer
 group: it is a prior, to be replaced by measured (calibrated) policies. Within a class, spans lose
 their tails first (``span-head``): every tool keeps the start of its description.
+
+``hybrid_policy`` is the floors-only table of the ``pask-hybrid`` variant: what a call cannot be
+rebuilt without (names, required and optional parameter names, the query, the call being written)
+persists whole in every group; the rest of the budget goes to the tokens attention ranks highest.
 """
 
 from __future__ import annotations
@@ -34,4 +38,21 @@ def handwritten_policy(n_layer: int, n_groups: int = 4) -> Policy:
         kind="hand-written",
         within_class_order="span-head",
         provenance={"note": "hand-written prior (pask_local/policy/handwritten.py); not measured"},
+    )
+
+
+# pask-hybrid: kept whole in every layer group; everything else is ranked by attention
+HYBRID_FLOORS: tuple[C, ...] = (C.SINK, C.TOOL_NAME, C.PARAM_REQUIRED, C.PARAM_NAME, C.QUERY,
+                                C.GEN_NAME, C.GEN_KEY, C.GEN_VALUE_REQUIRED)
+
+
+def hybrid_policy(n_layer: int, n_groups: int = 4) -> Policy:
+    groups = contiguous_groups(n_layer, n_groups)
+    return Policy(
+        groups=groups,
+        floors=[{c: (1.0 if c in HYBRID_FLOORS else 0.0) for c in C} for _ in groups],
+        weights=[{c: (0.0 if c in HYBRID_FLOORS else 1.0) for c in C} for _ in groups],
+        kind="hand-written",
+        within_class_order="attention",
+        provenance={"note": "pask-hybrid floors (pask_local/policy/handwritten.py); not measured"},
     )
