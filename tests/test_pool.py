@@ -37,13 +37,13 @@ class Recorder(Decoder):
         super().__init__(model, plan)
         self.log = log
 
-    def choose(self, logits: np.ndarray, temperature: float = 0.0) -> int:
+    def choose(self, logits: np.ndarray) -> int:
         self.log.append(np.array(logits, copy=True))
-        return super().choose(logits, temperature)
+        return super().choose(logits)
 
 
 def engine(model, method, budget, log=None, max_tokens=40):
-    factory = Decoder if log is None else (lambda m, p: Recorder(m, p, log))
+    factory = Decoder if log is None else (lambda m, p, s: Recorder(m, p, log))
     return Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=max_tokens),
                   decoder_factory=factory)
 

@@ -347,6 +347,9 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "user", "content": "hello " * 34000}]}, openai.BadRequestError, 400,
      "context_length_exceeded", "exceed"),
     ({"n": 2}, openai.BadRequestError, 400, None, "n=1"),
+    ({"temperature": 3}, openai.BadRequestError, 400, None, "'temperature' must be in [0, 2]"),
+    ({"top_p": 1.5}, openai.BadRequestError, 400, None, "'top_p' must be in [0, 1]"),
+    ({"extra_body": {"seed": "x"}}, openai.BadRequestError, 400, None, "'seed' must be an integer"),
     ({"stream": True, "max_tokens": 10 ** 6}, openai.BadRequestError, 400, "context_length_exceeded", "exceed"),
     ({"max_tokens": 2000}, openai.BadRequestError, 400, "context_length_exceeded", "context limit (2048)"),
     ({"extra_body": {"frobnicate": True}}, openai.BadRequestError, 400, None, "unrecognized request argument"),
@@ -386,6 +389,21 @@ def test_bad_bodies_and_routes_are_4xx_with_the_error_shape(server, client) -> N
     assert r.status_code == 405 and "error" in r.json()
     assert _metric(server, "pask_requests_total", '{status="500"}') == 0
     _served(client)  # and the server still serves
+
+
+def test_a_seeded_sampled_request_repeats_its_call(server, client) -> None:
+    """temperature/top_p/seed reach the decoder (tests/test_sampling.py: different seeds draw different
+    calls); a sampled call is still a valid one, and with a context per request the same seed gives
+    the same call. (In the batched pool the second request starts from the prefix the first one's
+    method compressed, the prefix cache: another input, so only validity is checked there.)"""
+    args = {"model": MODEL_ID, "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 96,
+            "parallel_tool_calls": False, "temperature": 1.3, "top_p": 0.9, "seed": 11}
+    a, b = (client.chat.completions.create(**args).choices[0].message.tool_calls for _ in range(2))
+    assert len(a) == len(b) == 1
+    _check_call(a[0])
+    _check_call(b[0])
+    if not _http(server + "/health").json()["batch"]:
+        assert a[0].function.model_dump() == b[0].function.model_dump()
 
 
 def test_method_override_in_the_pask_field(client) -> None:

@@ -36,7 +36,7 @@ def model(gemma_path) -> Model:
 
 def engine(model, method, budget, log):
     return Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=64),
-                  decoder_factory=lambda m, p: Recorder(m, p, log))
+                  decoder_factory=lambda m, p, s: Recorder(m, p, log))
 
 
 def compression(trace) -> dict[int, list[int]]:

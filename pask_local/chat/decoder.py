@@ -4,7 +4,8 @@ Modes: with a grammar and no trigger the fast constrained sampler picks every to
 parser-state tagger (``tagging.generated.CallTagger``) classifies it. With a trigger
 (``tool_choice`` auto) tokens are chosen greedily without a grammar until the generated text
 contains the trigger; the grammar then starts, is fed the text from the trigger on, and constrains
-every later token. Without a grammar (``none``) tokens are greedy with the banned openers masked.
+every later token. Without a grammar (``none``) tokens are chosen with the banned openers masked.
+Each token is greedy, or drawn as the request's ``Sampling`` says (temperature, top_p, seed).
 Text outside a call is tagged ``gen_value_optional`` (free generated content).
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 from ..classes import StructuralClass
 from ..errors import NativeError
 from ..grammar.sampler import ConstrainedSampler, SamplerStats
+from ..grammar.sampling import GREEDY, Sampling, draw, probabilities
 from ..grammar.state import GrammarState
 from ..llm import Model
 from ..tagging.generated import CallTagger
@@ -26,10 +28,12 @@ TEXT_CLASS = StructuralClass.GEN_VALUE_OPTIONAL
 class Decoder:
     """One generation's token chooser; ``done`` turns true when the grammar is complete."""
 
-    def __init__(self, model: Model, plan: Plan, rng: np.random.Generator | None = None) -> None:
+    def __init__(self, model: Model, plan: Plan, sampling: Sampling = GREEDY,
+                 rng: np.random.Generator | None = None) -> None:
         self.model = model
         self.plan = plan
-        self.rng = rng
+        self.sampling = sampling
+        self.rng = rng or sampling.rng()
         self.state: GrammarState | None = None
         self.sampler: ConstrainedSampler | None = None
         self.tagger: CallTagger | None = None
@@ -58,15 +62,19 @@ class Decoder:
         self.sampler.stats = self._stats
         self.tagger = CallTagger(self.model, self.plan.grammar, self.state)
 
-    def choose(self, logits: np.ndarray, temperature: float = 0.0) -> int:
-        """The next token (greedy, or sampled at ``temperature`` under a grammar)."""
+    def choose(self, logits: np.ndarray) -> int:
+        """The next token: greedy, or drawn as ``sampling`` says (under the grammar once it is active)."""
+        s = self.sampling
         if self.sampler is not None:
-            return self.sampler.sample(logits, temperature) if temperature > 0 else self.sampler.greedy(logits)
+            return self.sampler.greedy(logits) if s.greedy else self.sampler.sample(logits, s.temperature,
+                                                                                    top_p=s.top_p)
         self._stats.fast += 1
         if len(self.banned):
             logits = logits.copy()
             logits[self.banned] = -np.inf
-        return int(np.argmax(logits))
+        if s.greedy:
+            return int(np.argmax(logits))
+        return draw(probabilities(logits, s.temperature, s.top_p), self.rng)
 
     def accept(self, token: int) -> StructuralClass:
         """Take ``token`` as generated; its structural class."""

@@ -52,6 +52,7 @@ from ..chat.protocol import Plan, plan
 from ..chat.result import AssistantMessage
 from ..classes import StructuralClass
 from ..errors import ContextLengthError, NativeError, PaskError
+from ..grammar.sampling import GREEDY, Sampling
 from ..kv_layered import kv_total_bytes
 from ..llm import Context, ContextConfig, Model
 from ..methods import LayerView, Method
@@ -136,6 +137,7 @@ class Prepared:
     plan: Plan
     request: str          # the last user/tool text (traces)
     n_ctx: int            # the context the run allocates
+    sampling: Sampling = GREEDY  # how its tokens are drawn
 
     @property
     def n_prompt(self) -> int:
@@ -146,7 +148,7 @@ class Engine:
     """Runs requests on one model with one KV-persistence method."""
 
     def __init__(self, model: Model, method: Method, config: EngineConfig | None = None,
-                 decoder_factory: Callable[[Model, Plan], Decoder] = Decoder) -> None:
+                 decoder_factory: Callable[[Model, Plan, Sampling], Decoder] = Decoder) -> None:
         self.model = model
         self.method = method
         self.cfg = config or EngineConfig()
@@ -181,7 +183,7 @@ class Engine:
 
     def prepare(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
                 tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
-                examples: list[tuple[str, str]] | None = None) -> Prepared:
+                examples: list[tuple[str, str]] | None = None, sampling: Sampling = GREEDY) -> Prepared:
         """Validate, render, tag and size one request without touching a llama context.
 
         Every problem with the input is a ``PaskError`` raised here (before any KV is allocated);
@@ -208,7 +210,7 @@ class Engine:
         if n_prompt + self.cfg.max_tokens > self.model.n_ctx_train:
             raise ContextLengthError(f"prompt ({n_prompt} tokens) + max_tokens ({self.cfg.max_tokens}) exceed the "
                                      f"model's trained context ({self.model.n_ctx_train})")
-        return Prepared(p, request, n_ctx)
+        return Prepared(p, request, n_ctx, sampling)
 
     def execute(self, prepared: Prepared, trace: str | Path | None = None,
                 on_token: TokenHook | None = None) -> EngineResult:
@@ -219,7 +221,7 @@ class Engine:
         stops decoding at once: the result then has ``finish == "cancelled"`` and holds the tokens
         so far. It is the hook for streaming and for cancelling (a client that went away).
         """
-        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace))
+        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), sampling=prepared.sampling)
         try:
             return run.execute(prepared.plan, prepared.request, on_token)
         finally:
@@ -229,7 +231,7 @@ class Engine:
                       trace: str | Path | None = None) -> _Run:
         """Begin a prepared request in a slot of a shared context; its owner (``engine.pool``,
         ``engine.shared``) decodes its chunks and tokens."""
-        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), slot)
+        run = _Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), slot, prepared.sampling)
         try:
             run.begin(prepared.plan, prepared.request, on_token)
         except BaseException:
@@ -252,8 +254,9 @@ class _Run:
     """The state of one request: context, per-layer bookkeeping, scores, trace."""
 
     def __init__(self, engine: Engine, prompt: Prompt, n_ctx: int, trace: TraceWriter,
-                 slot: SlotSpec | None = None) -> None:
+                 slot: SlotSpec | None = None, sampling: Sampling = GREEDY) -> None:
         self.e = engine
+        self.sampling = sampling
         self.model = engine.model
         self.method = engine.method
         self.cfg = engine.cfg
@@ -505,7 +508,7 @@ class _Run:
             self.probe.set_enabled(False)  # the statistic is not read while decoding: no host copies
         self.after_prefill = self.held_counts()
         self.t1 = time.perf_counter()
-        self.sampler = self.e.decoder_factory(self.model, self.plan)
+        self.sampler = self.e.decoder_factory(self.model, self.plan, self.sampling)
 
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM

@@ -104,7 +104,7 @@ def forced_run(engine: Any, task: Task, forced: Sequence[int] | None = None,
 
     made: list[ForcedDecoder] = []
 
-    def factory(model: Model, plan: Any) -> ForcedDecoder:
+    def factory(model: Model, plan: Any, sampling: Any = None) -> ForcedDecoder:  # forced: always greedy
         made.append(ForcedDecoder(model, plan, forced, ref, keep_top))
         return made[-1]
 

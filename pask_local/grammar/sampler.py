@@ -6,7 +6,8 @@ next candidates checked in descending-logit blocks, and the full filter runs onl
 holds an accepted token. Greedy selection returns exactly the token that full filtering followed by
 argmax returns (ties: lowest token id, like ``numpy.argmax``). Temperature sampling uses rejection
 sampling from the raw distribution, which draws from the same distribution as sampling after full
-filtering.
+filtering; with ``top_p`` < 1 the nucleus is taken of the grammar-filtered distribution (as upstream's
+grammar-then-top-p chain), which needs the full filter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import NativeError
+from .sampling import draw, probabilities
 from .state import GrammarState
 
 
@@ -68,10 +70,17 @@ class ConstrainedSampler:
                 break
         return self._full(logits, greedy=True)
 
-    def sample(self, logits: np.ndarray, temperature: float, tries: int = 8) -> int:
-        """A draw from softmax(logits / temperature) restricted to accepted tokens."""
+    def sample(self, logits: np.ndarray, temperature: float, tries: int = 8, top_p: float = 1.0) -> int:
+        """A draw from softmax(logits / temperature) restricted to accepted tokens (and to the
+        nucleus ``top_p`` of that restricted distribution)."""
         if temperature <= 0:
             return self.greedy(logits)
+        if top_p < 1.0:
+            self.stats.full += 1
+            filt = self.state.full_filter(logits)
+            if not np.isfinite(filt).any():
+                raise NativeError("the grammar accepts no token here (grammar/vocabulary mismatch)")
+            return draw(probabilities(filt, temperature, top_p), self.rng)
         z = logits.astype(np.float64) / temperature
         p = np.exp(z - z.max())
         p /= p.sum()

@@ -170,7 +170,7 @@ class Server:
         engine = self.engine(req)
         try:
             prepared = await run_in_threadpool(engine.prepare, req.messages, req.tools, req.tool_choice,
-                                               req.parallel)
+                                               req.parallel, None, req.sampling)
         except ContextLengthError as exc:
             raise APIError(400, f"{exc}; shorten the messages or lower max_tokens", param="messages",
                            code="context_length_exceeded") from None

@@ -3,8 +3,10 @@
 ``parse_chat_request`` checks a ``POST /v1/chat/completions`` body field by field and returns a
 ``ChatRequest`` (messages, tools and tool_choice already parsed by ``pask_local.chat`` and
 ``pask_local.schema``); every problem is an ``APIError`` carrying the HTTP status and OpenAI's
-error object ``{"error": {"message", "type", "param", "code"}}``. Sampling fields that do not
-change a greedy decode (temperature, top_p, seed, ...) are accepted and ignored; fields that would
+error object ``{"error": {"message", "type", "param", "code"}}``. ``temperature``, ``top_p`` and
+``seed`` choose how tokens are drawn (unset or 0: greedy, the server's default, unlike OpenAI's 1: a
+call should not change between two identical requests); penalties and ``user`` etc. are accepted
+and ignored; fields that would
 change the answer but are not supported (``n`` > 1, ``stop``, ``logprobs``, ``response_format``
 other than text, the legacy ``functions``) are refused rather than silently dropped. The extension
 field ``"pask": {"method": ..., "budget": ...}`` overrides the server's KV method and budget.
@@ -20,6 +22,7 @@ from typing import Any
 
 from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice
 from ..errors import PaskError
+from ..grammar.sampling import GREEDY, MAX_TEMPERATURE, Sampling
 from ..methods import METHOD_NAMES
 from ..schema.tools import ToolSpec, load_tools
 
@@ -84,6 +87,7 @@ class ChatRequest:
     include_usage: bool
     method: str
     budget: float
+    sampling: Sampling = GREEDY
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -231,7 +235,23 @@ def parse_chat_request(body: Any, model_id: str, defaults: Defaults) -> ChatRequ
     method, budget = _pask(body.get("pask"), defaults)
     return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=choice, parallel=parallel,
                        max_tokens=max_tokens, stream=stream, include_usage=include_usage, method=method,
-                       budget=budget)
+                       budget=budget, sampling=_sampling(body))
+
+
+def _sampling(body: dict[str, Any]) -> Sampling:
+    """temperature in [0, 2], top_p in [0, 1], seed an integer (numbers checked by ``_refuse_unsupported``)."""
+    temperature = body.get("temperature")
+    top_p = body.get("top_p")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad_request(f"'seed' must be an integer, got {type(seed).__name__}", "seed")
+    temperature = 0.0 if temperature is None else float(temperature)
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}", "temperature")
+    if not 0.0 <= top_p <= 1.0:
+        raise bad_request(f"'top_p' must be in [0, 1], got {top_p:g}", "top_p")
+    return Sampling(temperature=temperature, top_p=top_p, seed=None if seed is None else seed % 2**64)
 
 
 # ------------------------------------------------------------------ responses
