@@ -64,6 +64,12 @@ def run_command(
                                                 "Default: the model's shipped policy.", show_default=False)] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Allow a list of calls.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; up to 2: sample (under the "
+                                               "call grammar).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Sample from the smallest set of tokens holding this "
+                                         "much of the allowed probability.")] = 1.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed for sampling (the same seed repeats a draw).",
+                                             show_default=False)] = None,
     trace: Annotated[Path | None, typer.Option("--trace", help="Write a JSONL trace of what persisted where "
                                                "(view it with `pask-local tui`).", show_default=False)] = None,
     messages: Annotated[Path | None, typer.Option("--messages", help="A conversation instead of REQUEST: an "
@@ -108,6 +114,9 @@ def run_command(
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     check_generation_options(method, budget, max_tokens)
     check_device_options(ngl, hysteresis, kv_type)
+    from .grammar.sampling import Sampling
+
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=None if seed is None else seed % 2**64)
 
     from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
@@ -129,9 +138,10 @@ def run_command(
     if tui:
         from .tui.cli import run_tui
 
-        result = run_tui(lambda p: engine.chat(msgs, tools, choice, parallel=parallel, trace=p), trace)
+        result = run_tui(lambda p: engine.chat(msgs, tools, choice, parallel=parallel, trace=p, sampling=sampling),
+                         trace)
     else:
-        result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace)
+        result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace, sampling=sampling)
     for line in result.stats.get("warnings", []):
         print(f"warning: {line}", file=sys.stderr)   # the budget could not be met (floors win)
     if stats:

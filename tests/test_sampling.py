@@ -79,3 +79,21 @@ def test_engine_sampling_is_seeded_and_stays_valid(model) -> None:
     first = [_calls(model, s)[0] for s in hot]
     assert [_calls(model, s)[0] for s in hot] == first  # a seed repeats its draw
     assert len(set(first)) > 1  # and different seeds draw different calls at a high temperature
+
+
+def test_run_cli_samples_when_asked(cli) -> None:
+    """`pask-local run --temperature/--seed`: the options reach the engine (different seeds, different
+    calls; a seed repeats), and every sampled reply is still a call of the schema."""
+    import json
+
+    def once(seed: int) -> str:
+        proc = cli("run", "--schema", str(REPO / "examples" / "get_weather.json"), "--temperature", "1.5",
+                   "--seed", str(seed), "--max-tokens", "96", "What is the weather in Oslo, in celsius?")
+        assert proc.returncode == 0, proc.stderr
+        call = json.loads(proc.stdout)
+        assert call["name"] == "get_weather" and "location" in call["arguments"]
+        return proc.stdout
+
+    outs = [once(s) for s in range(4)]
+    assert len(set(outs)) > 1
+    assert once(0) == outs[0]

@@ -172,14 +172,14 @@ class Engine:
     def chat(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
              tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
              examples: list[tuple[str, str]] | None = None, trace: str | Path | None = None,
-             on_token: TokenHook | None = None) -> EngineResult:
+             on_token: TokenHook | None = None, sampling: Sampling = GREEDY) -> EngineResult:
         """Answer an OpenAI-style conversation (``Message``s or their JSON) with ``tools``.
 
         ``tool_choice``: auto | required | none | ``{"type": "function", "function": {"name": ...}}``;
         ``parallel``: the reply may hold several calls. ``EngineResult.message`` is the reply.
         ``on_token``: see ``execute``. Equal to ``execute(prepare(...))``.
         """
-        return self.execute(self.prepare(messages, tools, tool_choice, parallel, examples), trace, on_token)
+        return self.execute(self.prepare(messages, tools, tool_choice, parallel, examples, sampling), trace, on_token)
 
     def prepare(self, messages: list[Message] | list[dict[str, Any]], tools: Any,
                 tool_choice: ToolChoice | str | dict[str, Any] = "auto", parallel: bool = False,
