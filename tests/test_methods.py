@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from pask_local.classes import class_index
 from pask_local.methods import H2O, PASK, TOVA, FullKV, LayerView, PyramidKV, SnapKV, StreamingLLM
 from pask_local.methods.snapkv import pool_scores
 from pask_local.policy import Policy, contiguous_groups
+from pask_local.policy.schema import PolicyError
 
 RNG = np.random.default_rng(7)
 
@@ -171,7 +174,7 @@ def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_acro
     scores = np.full(n, 0.01)
     hot = np.arange(30, 40)                 # the middle of the second description
     scores[hot] = 5.0
-    method = PASK(hybrid_policy(4), recent=0, residual="attention")
+    method = PASK(hybrid_policy(4), recent=0)
     assert method.needs_attention and method.compress_after_prefill
     cap = method.capacities(0.3, classes, 4)[0]
     kept = set(method.select(view(n, scores=scores, classes=classes, layer=0), cap).tolist())
@@ -183,12 +186,12 @@ def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_acro
     assert rest and rest <= near_hot
     assert not kept & {i for i in range(n) if classes[i] == X}  # the cold examples get nothing
     # the same floors as quotas with weights (pask-attn's allocation) give the examples a share
-    quota = PASK(hybrid_policy(4), recent=0)
+    quota = PASK(dataclasses.replace(hybrid_policy(4), residual="weights"), recent=0)
     quota_cap = quota.capacities(0.3, classes, 4)[0]
     kept_quota = set(quota.select(view(n, scores=scores, classes=classes, layer=0), quota_cap).tolist())
     assert kept_quota & {i for i in range(n) if classes[i] == X}
-    with pytest.raises(ValueError, match="within_class_order"):
-        PASK(_pask_policy(), residual="attention")
+    with pytest.raises(PolicyError, match="within_class_order"):
+        dataclasses.replace(_pask_policy(), residual="attention")
 
 
 def test_pask_rejects_policy_for_other_model():

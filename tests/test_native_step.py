@@ -101,7 +101,7 @@ def test_native_select_equals_python_pask_hybrid(v, budget, recent, floored):
     all_classes, pos, scores, capacity, prompt_len, layer = v
     pol = hybrid_policy(4)
     pol.floors = [{c: (1.0 if c in floored else 0.0) for c in StructuralClass} for _ in pol.groups]
-    method = PASK(pol, recent=recent, residual="attention")
+    method = PASK(pol, recent=recent)
     method.capacities(budget, all_classes, 4)
     view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], scores=scores,
                      prompt_len=prompt_len, all_classes=all_classes)

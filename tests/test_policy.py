@@ -124,3 +124,20 @@ def test_roundtrip_and_validation(tmp_path):
         Policy.load(path)
     with pytest.raises(PolicyError, match="not found"):
         Policy.load(tmp_path / "missing.json")
+
+
+def test_residual_roundtrip_and_validation():
+    """``residual`` (pask-hybrid's allocation) survives a save/load; a bad value or one without the
+    attention order is refused in one line; files without the field read as ``weights``."""
+    from pask_local.policy.handwritten import hybrid_policy
+
+    pol = hybrid_policy(18)
+    back = Policy.from_json(pol.to_json())
+    assert (back.residual, back.within_class_order) == ("attention", "attention") and back.floors == pol.floors
+    data = handwritten_policy(18).to_json()
+    del data["residual"]
+    assert Policy.from_json(data).residual == "weights"
+    for bad, needle in (({"residual": "magic"}, "residual must be one of"),
+                        ({"residual": "attention", "within_class_order": "span-head"}, "needs within_class_order")):
+        with pytest.raises(PolicyError, match=needle):
+            Policy.from_json({**data, **bad})

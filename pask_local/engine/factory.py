@@ -49,9 +49,11 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     else:
         pol = Policy.load(policy)
     pol.check_model(model.n_layer)
-    if name in ("pask-attn", "pask-hybrid"):
+    if name == "pask-attn":
         pol = dataclasses.replace(pol, within_class_order="attention")
+    elif name == "pask-hybrid":
+        pol = dataclasses.replace(pol, within_class_order="attention", residual="attention")
     swa, window = swa_layers(model)
-    method = PASK(pol, swa_layers=swa, window=window, residual="attention" if name == "pask-hybrid" else "weights")
+    method = PASK(pol, swa_layers=swa, window=window)
     method.name = name  # the variant's name: what traces and stats report
     return method

@@ -12,7 +12,7 @@ observation-window statistic, used only to rank tokens inside a class whose shar
 If rounding leaves the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give
 up tokens first, in the same order; if it leaves room, the most protective evicted tokens come back.
 
-``residual="attention"`` (the ``pask-hybrid`` variant): only the policy's floors are class quotas; the
+A policy with ``residual`` ``attention`` (the ``pask-hybrid`` variant): only its floors are class quotas; the
 capacity left after them goes to the tokens the observation window attends to most, whatever their
 class (every class without a floor shares one protection rank, so attention alone orders them).
 Structure says what must persist (names, the query, the call); attention ranks everything else.
@@ -40,14 +40,9 @@ class PASK(Method):
     scales_swa_capacity = False  # the compile step already counts sliding-window layers by their window
 
     def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
-                 recent: int = 32, residual: str = "weights") -> None:
-        if residual not in ("weights", "attention"):
-            raise ValueError(f"residual must be 'weights' or 'attention', got {residual!r}")
-        if residual == "attention" and policy.within_class_order != "attention":
-            raise ValueError("residual 'attention' ranks by attention: the policy's within_class_order must be it")
+                 recent: int = 32) -> None:
         self.policy = policy
-        self.residual = residual
-        self.ranks = [_RANK if residual == "weights" else _floor_ranks(f) for f in policy.floors]
+        self.ranks = [_RANK if policy.residual == "weights" else _floor_ranks(f) for f in policy.floors]
         self.recent = recent
         self.swa_layers = swa_layers
         self.window = window
@@ -63,7 +58,7 @@ class PASK(Method):
         counts = np.bincount(classes, minlength=len(_ALL))
         self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
                                        self.swa_layers, self.window)
-        if self.residual == "attention":  # the floors are the only quotas; attention fills the rest
+        if self.policy.residual == "attention":  # the floors are the only quotas; attention fills the rest
             self.compiled.keep = [dict(f) for f in self.policy.floors]
         return self.compiled
 

@@ -54,5 +54,6 @@ def hybrid_policy(n_layer: int, n_groups: int = 4) -> Policy:
         weights=[{c: (0.0 if c in HYBRID_FLOORS else 1.0) for c in C} for _ in groups],
         kind="hand-written",
         within_class_order="attention",
+        residual="attention",
         provenance={"note": "pask-hybrid floors (pask_local/policy/handwritten.py); not measured"},
     )

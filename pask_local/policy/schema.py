@@ -23,6 +23,10 @@ KINDS = ("hand-written", "calibrated", "mapped")
 # Which tokens of a class go first when only part of it persists: the oldest, the newest, or the
 # tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist).
 ORDERS = ("oldest-first", "newest-first", "span-head", "attention")
+# What the capacity left after the floors goes to: ``weights`` (water-filled over the classes by
+# weight, then ranked inside each class) or ``attention`` (no class shares beyond the floors: the
+# highest-attention tokens of any class; needs within_class_order "attention").
+RESIDUALS = ("weights", "attention")
 
 
 class PolicyError(PaskError):
@@ -38,6 +42,13 @@ class Policy:
     within_class_order: str = "oldest-first"
     never_evict: tuple[StructuralClass, ...] = (StructuralClass.SINK,)
     provenance: dict[str, Any] = field(default_factory=dict)
+    residual: str = "weights"
+
+    def __post_init__(self) -> None:
+        if self.residual not in RESIDUALS:
+            raise PolicyError(f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+        if self.residual == "attention" and self.within_class_order != "attention":
+            raise PolicyError("residual 'attention' ranks by attention: within_class_order must be 'attention'")
 
     @property
     def n_layer(self) -> int:
@@ -70,6 +81,7 @@ class Policy:
             "n_layer": self.n_layer,
             "groups": self.groups,
             "within_class_order": self.within_class_order,
+            "residual": self.residual,
             "never_evict": [c.value for c in self.never_evict],
             "floors": [{c.value: v for c, v in f.items()} for f in self.floors],
             "weights": [{c.value: v for c, v in w.items()} for w in self.weights],
@@ -102,6 +114,11 @@ class Policy:
         order = data.get("within_class_order", "oldest-first")
         if not isinstance(order, str) or order not in ORDERS:
             raise PolicyError(f"{source}: within_class_order must be one of {', '.join(ORDERS)}")
+        residual = data.get("residual", "weights")
+        if not isinstance(residual, str) or residual not in RESIDUALS:
+            raise PolicyError(f"{source}: residual must be one of {', '.join(RESIDUALS)}")
+        if residual == "attention" and order != "attention":
+            raise PolicyError(f"{source}: residual 'attention' needs within_class_order 'attention'")
         floors = _class_tables(data.get("floors"), len(groups), source, "floors", upper=1.0)
         weights = _class_tables(data.get("weights"), len(groups), source, "weights", upper=None)
         never_raw = data.get("never_evict", ["sink"])
@@ -112,7 +129,7 @@ class Policy:
         if not isinstance(provenance, dict):
             raise PolicyError(f"{source}: provenance must be an object")
         return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
-                   never_evict=never, provenance=dict(provenance))
+                   never_evict=never, provenance=dict(provenance), residual=residual)
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
