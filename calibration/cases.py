@@ -1,11 +1,14 @@
 """Turns a BFCL case into a teacher-forcing case: prompt + gold call tokens, one class per token.
 
 The prompt is exactly what the engine and the eval harness decode for the case (``make_task`` then
-``render_prompt``: same examples, call shape and style). The gold continuation is the call our
+the protocol plan of the eval's prompt style: ``plain``, the instruction prompt with few-shot
+examples; ``native``, the model's own chat template with its tools block, e.g. Qwen2.5's
+``<tools>``; ``auto``, native when the template has it). The gold continuation is the call our
 grammar would emit for the case's reference answer (``eval.reference.reference_calls``): compact
 JSON with ``", "`` / ``": "`` separators, required properties first then optional ones, each in
-schema order, tokenised with llama.cpp. Its tokens are accepted into the call grammar and tagged
-by ``CallTagger``, as the engine tags generated tokens; a gold call the grammar rejects (a dataset
+schema order, inside the native call blocks (``<tool_call>...</tool_call>``) for the native style,
+tokenised with llama.cpp. Its tokens are accepted into the plan's call grammar and tagged by
+``CallTagger``, as the engine tags generated tokens; a gold call the grammar rejects (a dataset
 answer outside the schema) makes the case unusable (``CaseSkipped`` with the reason).
 """
 
@@ -18,14 +21,12 @@ from typing import Any
 from pask_local.classes import StructuralClass
 from pask_local.errors import NativeError, PaskError, SchemaError
 from pask_local.eval.data import Case
-from pask_local.eval.prompting import make_task
+from pask_local.eval.prompting import make_task, task_plan
 from pask_local.eval.reference import reference_calls, unsatisfiable
 from pask_local.grammar.state import GrammarState
 from pask_local.llm import Model
-from pask_local.schema.gbnf import build_grammar
 from pask_local.schema.tools import ToolSpec, load_tools
 from pask_local.tagging.generated import CallTagger
-from pask_local.tagging.prompt import render_prompt
 
 
 class CaseSkipped(PaskError):
@@ -83,13 +84,23 @@ def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel:
     return json.dumps(out[0], ensure_ascii=False)
 
 
-def tag_continuation(model: Model, tools: list[ToolSpec], parallel: bool, text: str) -> tuple[list[int], list[StructuralClass]]:
-    """Tokenise ``text`` and tag each token through the call grammar (CaseSkipped if it rejects)."""
-    tokens = model.tokenize(text, add_special=False, parse_special=False)
-    grammar = build_grammar(tools, parallel)
-    state = GrammarState(model.vocab, grammar.text)
+def plan_gold_text(plan: Any, calls: list[dict[str, Any]], parallel: bool) -> str:
+    """The text the plan's grammar emits for ``calls``: the call JSON, inside the native call blocks
+    when the plan has a native call format."""
+    body = gold_call_text(plan.tools, calls, parallel)
+    if plan.fmt is None:
+        return body
+    items = json.loads(body)
+    items = items if parallel else [items]
+    return plan.fmt.sep.join(plan.fmt.block(json.dumps(c, ensure_ascii=False)) for c in items)
+
+
+def tag_continuation(model: Model, plan: Any, text: str) -> tuple[list[int], list[StructuralClass]]:
+    """Tokenise ``text`` and tag each token through the plan's call grammar (CaseSkipped if it rejects)."""
+    tokens = model.tokenize(text, add_special=False, parse_special=plan.fmt is not None)
+    state = GrammarState(model.vocab, plan.grammar.text)
     try:
-        tagger = CallTagger(model, grammar, state)
+        tagger = CallTagger(model, plan.grammar, state)
         classes = []
         for tok in tokens:
             try:
@@ -103,8 +114,10 @@ def tag_continuation(model: Model, tools: list[ToolSpec], parallel: bool, text: 
     return tokens, classes
 
 
-def build_case(model: Model, case: Case, use_examples: bool = True, max_tokens: int = 0) -> TFCase:
-    """The teacher-forcing case for ``case`` (CaseSkipped when it cannot be one)."""
+def build_case(model: Model, case: Case, use_examples: bool = True, max_tokens: int = 0,
+               style: str = "plain") -> TFCase:
+    """The teacher-forcing case for ``case`` under the eval's prompt ``style`` (plain | native | auto;
+    CaseSkipped when it cannot be one)."""
     if case.answer is None:
         raise CaseSkipped("no possible answer")
     why = unsatisfiable(case.functions, case.answer)
@@ -112,12 +125,13 @@ def build_case(model: Model, case: Case, use_examples: bool = True, max_tokens: 
         raise CaseSkipped(f"unsatisfiable answer: {why}")
     task = make_task(case, use_examples)
     try:
-        tools = load_tools(task.functions)
+        load_tools(task.functions)
+        plan = task_plan(model, task, style, None, None)
     except SchemaError as exc:
         raise CaseSkipped(f"schema not supported: {exc}") from None
-    text = gold_call_text(tools, reference_calls(task.functions, case.answer), task.parallel)
-    prompt = render_prompt(model, tools, task.request, examples=task.examples, parallel=task.parallel)
-    cont, cont_classes = tag_continuation(model, tools, task.parallel, text)
+    text = plan_gold_text(plan, reference_calls(task.functions, case.answer), task.parallel)
+    prompt = plan.prompt
+    cont, cont_classes = tag_continuation(model, plan, text)
     if max_tokens and len(prompt.tokens) + len(cont) > max_tokens:
         raise CaseSkipped(f"{len(prompt.tokens) + len(cont)} tokens > max {max_tokens}")
     return TFCase(tokens=list(prompt.tokens) + cont, classes=list(prompt.classes) + cont_classes,

@@ -51,9 +51,13 @@ def calib_cases(categories: list[str] | None) -> list:
     return out
 
 
-def _settings(model_sha: str, groups: list[list[int]], chunk: int, dtype: str, use_examples: bool) -> dict[str, Any]:
-    return {"cache_version": CACHE_VERSION, "model_sha256": model_sha, "groups": groups, "chunk": chunk,
-            "dtype": dtype, "examples": use_examples}
+def _settings(model_sha: str, groups: list[list[int]], chunk: int, dtype: str, use_examples: bool,
+              style: str = "plain") -> dict[str, Any]:
+    out = {"cache_version": CACHE_VERSION, "model_sha256": model_sha, "groups": groups, "chunk": chunk,
+           "dtype": dtype, "examples": use_examples}
+    if style != "plain":  # caches written before the native protocol are plain ones
+        out["prompt_style"] = style
+    return out
 
 
 def read_cache(path: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -112,6 +116,9 @@ def calibrate_command(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="skip cases longer than this")] = 2048,
     max_minutes: Annotated[float, typer.Option("--max-minutes", help="stop measuring after this (0: no limit)")] = 0.0,
     use_examples: Annotated[bool, typer.Option("--examples/--no-examples", help="few-shot examples as in eval")] = True,
+    prompt_style: Annotated[str, typer.Option("--prompt-style", help="the prompt the cases are measured on, as "
+                                              "in eval: native (the model's own tool protocol), plain (the "
+                                              "instruction prompt) or auto (native when the template has it)")] = "auto",
     tau_hi: Annotated[float, typer.Option("--tau-hi", help="dNLL (nats/token) for a full floor")] = FitRule.tau_hi,
     tau_lo: Annotated[float, typer.Option("--tau-lo", help="dNLL for a half floor")] = FitRule.tau_lo,
     floor_cap: Annotated[float, typer.Option("--floor-cap", help="max expected KV share of floors")] = FitRule.floor_cap,
@@ -152,6 +159,10 @@ def calibrate_command(
     if out.parent and not out.parent.exists():
         raise CalibrationError(f"output directory does not exist: {out.parent}")
     rule.check()
+    from pask_local.eval.prompting import ENGINE_STYLES
+
+    if prompt_style not in ENGINE_STYLES:
+        raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
     pool = calib_cases(categories)
     if not pool:
@@ -160,9 +171,12 @@ def calibrate_command(
     torch.set_num_threads(max(1, threads))
 
     model = Model(path)
+    from pask_local.chat.protocol import resolve_style
+
+    style = "native" if resolve_style(model, ENGINE_STYLES[prompt_style])[1] is not None else "plain"
     sha = file_sha256(path)
     layer_groups = contiguous_groups(model.n_layer, groups)
-    settings = _settings(sha, layer_groups, chunk, dtype, use_examples)
+    settings = _settings(sha, layer_groups, chunk, dtype, use_examples, style)
     done = read_cache(cache, settings)
     measured = [c for c in pool if c.id in done and "cells" in done[c.id]]
     t0 = time.monotonic()
@@ -182,7 +196,7 @@ def calibrate_command(
                 break
             rec: dict[str, Any] = {"id": case.id, "category": case.category, "settings": settings}
             try:
-                tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens)
+                tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens, style=style)
             except CaseSkipped as exc:
                 rec["skipped"] = str(exc)
             else:
@@ -203,7 +217,7 @@ def calibrate_command(
         for case in old:
             if ref is None:
                 ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
-            tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens)
+            tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens, style=style)
             tick = _ticker(progress, task, case.id, n_joint_cells(tc))
             rec = {**done[case.id], "joint": measure_joint(ref, tc, chunk=chunk, on_cell=tick)}
             _append(cache, rec)
@@ -221,8 +235,9 @@ def calibrate_command(
         "n_skipped": sum(1 for c in pool if c.id in done and "skipped" in done[c.id]),
         "date": _dt.date.today().isoformat(),
         "chunk": chunk, "reference_dtype": dtype, "few_shot_examples": use_examples, "max_tokens": max_tokens,
+        "prompt_style": style,
         "command": (f"pask-local calibrate --gguf {path.name} --categories {','.join(dict.fromkeys(c.category for c in pool))} "
-                    f"--cases {cases} --groups {groups} --max-tokens {max_tokens}"),
+                    f"--cases {cases} --groups {groups} --max-tokens {max_tokens} --prompt-style {style}"),
     }
     policy = fit_policy(records, layer_groups, rule, provenance)
     policy.save(out)

@@ -115,19 +115,14 @@ def forced_run(engine: Any, task: Task, forced: Sequence[int] | None = None,
 
 def gold_text(plan: Any, task: Task, case: Case) -> str:
     """The case's gold call as the plan's grammar emits it (PaskError when there is none)."""
-    from ..calibration.cases import gold_call_text
+    from ..calibration.cases import plan_gold_text
 
     if case.answer is None:
         raise PaskError("no possible answer")
     why = unsatisfiable(task.functions, case.answer)
     if why:
         raise PaskError(f"unsatisfiable answer: {why}")
-    body = gold_call_text(plan.tools, reference_calls(task.functions, case.answer), task.parallel)
-    if plan.fmt is None:
-        return body
-    calls = json.loads(body)
-    calls = calls if task.parallel else [calls]
-    return plan.fmt.sep.join(plan.fmt.block(json.dumps(c, ensure_ascii=False)) for c in calls)
+    return plan_gold_text(plan, reference_calls(task.functions, case.answer), task.parallel)
 
 
 def gold_tokens(engine: Any, task: Task, case: Case) -> list[int]:
