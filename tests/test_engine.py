@@ -128,10 +128,11 @@ def test_engine_reads_what_a_method_needs_not_its_name(model, method, tmp_path):
     assert evictions[0] == evictions[1]
 
 
-def test_a_budget_below_the_floors_is_reported(model):
-    # the prior's floors need more than 5% of full KV on this prompt: the stats (and `run`) say so
+def test_a_budget_below_the_floors_is_held_and_reported(model):
+    # the prior's floors need more than 5% of full KV on this prompt: the budget still holds (the
+    # least protective floors give way), and the stats (and `run`) say what was lowered
     low = run(model, "pask-prior", 0.05, max_tokens=8)
-    assert low.stats["warnings"] and "floors win" in low.stats["warnings"][0]
-    assert low.stats["budget_used_after_prefill"] > 0.05
+    assert low.stats["warnings"] and "lowered the floors of" in low.stats["warnings"][0]
+    assert 0.03 < low.stats["budget_used_after_prefill"] <= 0.05 + 1e-3
     assert run(model, "pask-prior", 0.5, max_tokens=8).stats["warnings"] == []
     assert run(model, "snapkv", 0.05, max_tokens=8).stats["warnings"] == []

@@ -65,12 +65,19 @@ def test_unused_capacity_goes_to_unweighted_cells():
     assert out.granted_entries == pytest.approx(0.6 * out.full_entries, rel=1e-6)
 
 
-def test_infeasible_floors_are_reported():
+def test_infeasible_floors_give_way_to_the_budget_least_protective_first():
+    """Floors above the budget: the budget holds (it is what the user asked for); the description's
+    floor (less protective) goes before the query's, and the warning names what was lowered."""
     pol = _policy({(g, c): 1.0 for g in range(2) for c in (C.DESCRIPTION, C.QUERY)}, {})
     out = compile_policy(pol, 0.2, COUNTS)
-    assert out.warnings and "effective budget" in out.warnings[0]
-    assert out.effective_budget > 0.2
-    assert out.keep[1][C.DESCRIPTION] == 1.0
+    assert out.warnings and "lowered the floors of description" in out.warnings[0]
+    assert out.effective_budget == pytest.approx(0.2, abs=1e-6)
+    assert out.granted_entries <= 0.2 * out.full_entries + 1e-6
+    for g in range(2):
+        assert out.keep[g][C.QUERY] >= out.keep[g][C.DESCRIPTION]
+    q_share = COUNTS[C.QUERY] / sum(COUNTS.values())
+    if q_share <= 0.2:  # the query alone fits: it keeps its whole floor
+        assert out.keep[0][C.QUERY] == 1.0 and "query" not in out.warnings[0]
 
 
 def test_sliding_window_layers_count_their_window():
