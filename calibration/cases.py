@@ -25,7 +25,7 @@ from pask_local.eval.prompting import make_task, task_plan
 from pask_local.eval.reference import reference_calls, unsatisfiable
 from pask_local.grammar.state import GrammarState
 from pask_local.llm import Model
-from pask_local.schema.tools import ToolSpec, load_tools
+from pask_local.schema.tools import ToolSpec
 from pask_local.tagging.generated import CallTagger
 
 
@@ -68,8 +68,8 @@ def order_like_schema(value: Any, schema: dict[str, Any]) -> Any:
     return value
 
 
-def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> str:
-    """The JSON text our grammar emits for ``calls`` (a list when ``parallel``)."""
+def ordered_calls(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
+    """``calls`` with arguments in the grammar's key order (exactly one unless ``parallel``)."""
     by_name = {t.name: t for t in tools}
     out = []
     for call in calls:
@@ -77,21 +77,23 @@ def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel:
         if tool is None:
             raise CaseSkipped(f"gold call names an unknown tool {call['name']!r}")
         out.append({"name": call["name"], "arguments": order_like_schema(call["arguments"], tool.parameters)})
-    if parallel:
-        return json.dumps(out, ensure_ascii=False)
-    if len(out) != 1:
+    if not parallel and len(out) != 1:
         raise CaseSkipped(f"{len(out)} gold calls for a single-call case")
-    return json.dumps(out[0], ensure_ascii=False)
+    return out
+
+
+def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> str:
+    """The JSON text our grammar emits for ``calls`` (a list when ``parallel``)."""
+    out = ordered_calls(tools, calls, parallel)
+    return json.dumps(out if parallel else out[0], ensure_ascii=False)
 
 
 def plan_gold_text(plan: Any, calls: list[dict[str, Any]], parallel: bool) -> str:
     """The text the plan's grammar emits for ``calls``: the call JSON, inside the native call blocks
     when the plan has a native call format."""
-    body = gold_call_text(plan.tools, calls, parallel)
     if plan.fmt is None:
-        return body
-    items = json.loads(body)
-    items = items if parallel else [items]
+        return gold_call_text(plan.tools, calls, parallel)
+    items = ordered_calls(plan.tools, calls, parallel)
     return plan.fmt.sep.join(plan.fmt.block(json.dumps(c, ensure_ascii=False)) for c in items)
 
 
@@ -125,8 +127,7 @@ def build_case(model: Model, case: Case, use_examples: bool = True, max_tokens: 
         raise CaseSkipped(f"unsatisfiable answer: {why}")
     task = make_task(case, use_examples)
     try:
-        load_tools(task.functions)
-        plan = task_plan(model, task, style, None, None)
+        plan = task_plan(model, task, style, None, None)  # parses the tools: SchemaError if unsupported
     except SchemaError as exc:
         raise CaseSkipped(f"schema not supported: {exc}") from None
     text = plan_gold_text(plan, reference_calls(task.functions, case.answer), task.parallel)

@@ -137,6 +137,8 @@ def calibrate_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from pask_local.chat.protocol import resolve_style
+    from pask_local.eval.prompting import ENGINE_STYLES
     from pask_local.llm import Model
     from pask_local.models import file_sha256, resolve_model
 
@@ -159,8 +161,6 @@ def calibrate_command(
     if out.parent and not out.parent.exists():
         raise CalibrationError(f"output directory does not exist: {out.parent}")
     rule.check()
-    from pask_local.eval.prompting import ENGINE_STYLES
-
     if prompt_style not in ENGINE_STYLES:
         raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
@@ -171,8 +171,6 @@ def calibrate_command(
     torch.set_num_threads(max(1, threads))
 
     model = Model(path)
-    from pask_local.chat.protocol import resolve_style
-
     style = "native" if resolve_style(model, ENGINE_STYLES[prompt_style])[1] is not None else "plain"
     sha = file_sha256(path)
     layer_groups = contiguous_groups(model.n_layer, groups)

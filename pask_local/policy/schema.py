@@ -46,9 +46,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUALS:
-            raise PolicyError(f"residual must be one of {', '.join(RESIDUALS)}, got {self.residual!r}")
+            raise PolicyError(f"residual must be one of {', '.join(RESIDUALS)}, got {_show(self.residual)}")
         if self.residual == "attention" and self.within_class_order != "attention":
-            raise PolicyError("residual 'attention' ranks by attention: within_class_order must be 'attention'")
+            raise PolicyError("residual 'attention' needs within_class_order 'attention'")
 
     @property
     def n_layer(self) -> int:
@@ -114,11 +114,6 @@ class Policy:
         order = data.get("within_class_order", "oldest-first")
         if not isinstance(order, str) or order not in ORDERS:
             raise PolicyError(f"{source}: within_class_order must be one of {', '.join(ORDERS)}")
-        residual = data.get("residual", "weights")
-        if not isinstance(residual, str) or residual not in RESIDUALS:
-            raise PolicyError(f"{source}: residual must be one of {', '.join(RESIDUALS)}")
-        if residual == "attention" and order != "attention":
-            raise PolicyError(f"{source}: residual 'attention' needs within_class_order 'attention'")
         floors = _class_tables(data.get("floors"), len(groups), source, "floors", upper=1.0)
         weights = _class_tables(data.get("weights"), len(groups), source, "weights", upper=None)
         never_raw = data.get("never_evict", ["sink"])
@@ -128,8 +123,11 @@ class Policy:
         provenance = data.get("provenance", {})
         if not isinstance(provenance, dict):
             raise PolicyError(f"{source}: provenance must be an object")
-        return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
-                   never_evict=never, provenance=dict(provenance), residual=residual)
+        try:  # residual: checked by the constructor
+            return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
+                       never_evict=never, provenance=dict(provenance), residual=data.get("residual", "weights"))
+        except PolicyError as exc:
+            raise PolicyError(f"{source}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Policy:
