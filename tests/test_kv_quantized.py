@@ -31,7 +31,7 @@ def model(gemma_path) -> Model:
 
 
 def run(model, method, budget, kv_type, log=None):
-    factory = (lambda m, p: Recorder(m, p, log)) if log is not None else None
+    factory = (lambda m, p, s: Recorder(m, p, log)) if log is not None else None
     kw = {"decoder_factory": factory} if factory else {}
     e = Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=48, kv_type=kv_type), **kw)
     return e.execute(e.prepare(user_message(QUESTION), WEATHER, "required"))

@@ -212,3 +212,24 @@ def test_pask_always_keeps_the_recent_window():
     caps = method.capacities(0.4, classes, 4)
     kept = method.select(view(80, classes=classes, layer=0), caps[0])
     assert set(range(72, 80)) <= set(kept.tolist()) and 0 in kept and len(kept) == caps[0]
+
+
+def test_pask_holds_the_prompt_tail_while_the_call_is_written():
+    """The prompt's tail (of its last ``recent`` tokens, the final run of query and template tokens:
+    the question and the assistant's header) stays held after more than ``recent`` tokens were
+    generated, and a tool definition's end before it does not; without ``hold_tail`` the newest
+    window slides onto the call and the tail is evicted with the rest of its class."""
+    classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 73 + [class_index(C.TEMPLATE)] * 6
+                       + [class_index(C.GEN_STRUCT)] * 20)
+    kept = {}
+    for hold in (True, False):
+        # newest-first: within its class the newest goes first, so only a held tail survives
+        method = PASK(dataclasses.replace(_pask_policy(), within_class_order="newest-first"), recent=8,
+                      hold_tail=hold)
+        caps = method.capacities(0.5, classes[:80], 4)
+        assert method.tail_from(80) == (74 if hold else -1)
+        kept[hold] = set(method.select(view(100, classes=classes, layer=2, prompt_len=80), caps[2]).tolist())
+        assert set(range(80, 100)) <= kept[hold] and len(kept[hold]) == caps[2]
+        assert not {72, 73} & kept[hold]  # the description's end is not part of the tail
+    assert set(range(74, 80)) <= kept[True]
+    assert not set(range(74, 80)) <= kept[False]

@@ -34,9 +34,10 @@ N_CLASSES = len(StructuralClass)
 ORDERS = ["oldest-first", "newest-first", "span-head", "attention"]
 
 
-def pask_method(order: str, budget: float, all_classes: np.ndarray, n_layer: int = 4, recent: int = 32) -> PASK:
+def pask_method(order: str, budget: float, all_classes: np.ndarray, n_layer: int = 4, recent: int = 32,
+                hold_tail: bool = True) -> PASK:
     pol = dataclasses.replace(handwritten_policy(n_layer), within_class_order=order)
-    m = PASK(pol, recent=recent)
+    m = PASK(pol, recent=recent, hold_tail=hold_tail)
     m.capacities(budget, all_classes, n_layer)
     return m
 
@@ -82,10 +83,10 @@ def test_native_select_equals_python_baselines(v, name):
 
 @pytest.mark.parametrize("order", ORDERS)
 @settings(max_examples=200, deadline=None)
-@given(v=views(), budget=st.floats(0.05, 1.0), recent=st.sampled_from([0, 4, 32]))
-def test_native_select_equals_python_pask(v, order, budget, recent):
+@given(v=views(), budget=st.floats(0.05, 1.0), recent=st.sampled_from([0, 4, 32]), hold_tail=st.booleans())
+def test_native_select_equals_python_pask(v, order, budget, recent, hold_tail):
     all_classes, pos, scores, capacity, prompt_len, layer = v
-    method = pask_method(order, budget, all_classes, recent=recent)
+    method = pask_method(order, budget, all_classes, recent=recent, hold_tail=hold_tail)
     view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos],
                      scores=scores if order == "attention" else None, prompt_len=prompt_len,
                      all_classes=all_classes)

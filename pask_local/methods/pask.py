@@ -1,7 +1,9 @@
 """PASK: keep, per layer group, each structural class's share given by a compiled policy.
 
-The ``recent`` newest positions and every generated token (the call being written) are kept
-first, capacity permitting: decode-time evictions come from the prompt. Among the rest, within a group g, class c
+The ``recent`` newest positions, every generated token (the call being written) and the prompt's
+tail (``hold_tail``: of its last ``recent`` tokens, the final run of query and template tokens, i.e.
+the question and the assistant's header, which SnapKV's observation window also holds) are kept
+first, capacity permitting: decode-time evictions come from the rest of the prompt. Among the rest, within a group g, class c
 keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the policy's
 ``never_evict`` keep all); within a class the policy's ``within_class_order`` says which go first:
 ``oldest-first``, ``newest-first``, or ``span-head`` (a span is a run of same-class tokens, e.g. one
@@ -33,6 +35,7 @@ from .snapkv import pool_scores
 
 _ALL = list(StructuralClass)
 _RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> protection rank
+_TAIL = [class_index(StructuralClass.QUERY), class_index(StructuralClass.TEMPLATE)]  # a held prompt tail's classes
 
 
 class PASK(Method):
@@ -40,8 +43,10 @@ class PASK(Method):
     scales_swa_capacity = False  # the compile step already counts sliding-window layers by their window
 
     def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
-                 recent: int = 32) -> None:
+                 recent: int = 32, hold_tail: bool = True) -> None:
         self.policy = policy
+        self.hold_tail = hold_tail  # the prompt's question-and-header tail stays held while the call is written
+        self._prompt_classes: np.ndarray | None = None  # class index per prompt position (compile)
         self.ranks = [_RANK if policy.residual == "weights" else _floor_ranks(f) for f in policy.floors]
         self.recent = recent
         self.swa_layers = swa_layers
@@ -55,6 +60,7 @@ class PASK(Method):
         self.kernel = 7  # score pooling, as SnapKV
 
     def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
+        self._prompt_classes = np.asarray(classes, dtype=np.int64)
         counts = np.bincount(classes, minlength=len(_ALL))
         self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
                                        self.swa_layers, self.window)
@@ -87,7 +93,9 @@ class PASK(Method):
         never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
         recent = never.copy()  # never-evict classes first, then the call being written, then the newest
         n_gen = int((pos >= view.prompt_len).sum()) if view.prompt_len else 0
-        n_recent = max(0, min(max(self.recent, n_gen), capacity - int(never.sum())))
+        tail_from = self.tail_from(view.prompt_len)
+        n_tail = int((~never & (pos >= tail_from)).sum()) if tail_from >= 0 else 0
+        n_recent = max(0, min(max(self.recent, n_gen, n_tail), capacity - int(never.sum())))
         if n_recent:
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
@@ -119,9 +127,21 @@ class PASK(Method):
             raise RuntimeError("PASK.step_rule before capacities()/compile()")
         group = self.group_of[layer]
         keep_frac = self.compiled.keep[group]
-        return StepRule("quota", recent=self.recent, never=tuple(class_index(c) for c in self.policy.never_evict),
+        return StepRule("quota", recent=self.recent, protect_from=self.tail_from(prompt_len), never=tuple(class_index(c) for c in self.policy.never_evict),
                         order=self.policy.within_class_order,
                         keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in self.ranks[group]))
+
+    def tail_from(self, prompt_len: int) -> int:
+        """The first position of the held prompt tail (-1: none): of the prompt's last ``recent``
+        tokens, the final run of query and template tokens (the question and the assistant's header,
+        which SnapKV's observation window also holds; not the end of a tool list)."""
+        cls = self._prompt_classes
+        if not self.hold_tail or prompt_len <= 0 or cls is None or len(cls) < prompt_len:
+            return -1
+        start = max(0, prompt_len - self.recent)
+        other = np.flatnonzero(~np.isin(cls[start:prompt_len], _TAIL))
+        first = start + (int(other[-1]) + 1 if len(other) else 0)
+        return first if first < prompt_len else -1
 
     def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
                scores: np.ndarray | None = None) -> np.ndarray:
