@@ -8,7 +8,7 @@ group: it is a prior, to be replaced by measured (calibrated) policies. Within a
 their tails first (``span-head``): every tool keeps the start of its description.
 
 ``hybrid_policy`` is the floors-only table of the ``pask-hybrid`` variant: what a call cannot be
-rebuilt without (names, required and optional parameter names, the query, the call being written)
+rebuilt without (tool names, required parameter names, the query, the call being written)
 persists whole in every group; the rest of the budget goes to the tokens attention ranks highest.
 """
 
@@ -42,7 +42,9 @@ def handwritten_policy(n_layer: int, n_groups: int = 4) -> Policy:
 
 
 # pask-hybrid: kept whole in every layer group; everything else is ranked by attention
-HYBRID_FLOORS: tuple[C, ...] = (C.SINK, C.TOOL_NAME, C.PARAM_REQUIRED, C.PARAM_NAME, C.QUERY,
+# Optional parameter names are not floored: kept without their descriptions and defaults they led the
+# model to fill optional arguments it should have left out (chosen on the calibration split)
+HYBRID_FLOORS: tuple[C, ...] = (C.SINK, C.TOOL_NAME, C.PARAM_REQUIRED, C.QUERY,
                                 C.GEN_NAME, C.GEN_KEY, C.GEN_VALUE_REQUIRED)
 
 
