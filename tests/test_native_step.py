@@ -110,6 +110,35 @@ def test_native_select_equals_python_pask_hybrid(v, budget, recent, floored):
     assert nat.tolist() == ref.tolist()
 
 
+def test_native_select_equals_python_pask_with_a_held_tail():
+    """Prompts that end in a template run (the assistant's header) with tokens generated after them:
+    native == Python for every order, and the held tail decides the keep set often enough that a
+    native rule ignoring it (``protect_from`` -1) disagrees (the random views above rarely reach it)."""
+    rng = np.random.default_rng(0)
+    cls_of = {c: list(StructuralClass).index(c) for c in StructuralClass}
+    prompt_mix = [cls_of[c] for c in (StructuralClass.DESCRIPTION, StructuralClass.TEMPLATE,
+                                      StructuralClass.QUERY, StructuralClass.PARAM_TYPE)]
+    n_views, tail_off_differs = 0, 0
+    for _ in range(100):
+        n_prompt, n_gen = int(rng.integers(20, 80)), int(rng.integers(0, 30))
+        prompt = rng.choice(prompt_mix, size=n_prompt)
+        prompt[n_prompt - int(rng.integers(1, 8)):] = cls_of[StructuralClass.TEMPLATE]
+        all_classes = np.concatenate([prompt, np.full(n_gen, cls_of[StructuralClass.GEN_STRUCT])]).astype(np.int64)
+        pos = rng.permutation(len(all_classes))
+        capacity = int(rng.integers(1, len(all_classes)))
+        for order in ORDERS[:3]:
+            method = pask_method(order, 0.3, all_classes[:n_prompt], recent=4)
+            view = LayerView(layer=0, n_layer=4, positions=pos, classes=all_classes[pos], prompt_len=n_prompt,
+                             all_classes=all_classes)
+            ref, nat = both(method, view, capacity)
+            assert nat.tolist() == ref.tolist()
+            off = dataclasses.replace(method.step_rule(0, 4, n_prompt), protect_from=-1)
+            tail_off_differs += select(off, pos, all_classes[pos], None, all_classes, n_prompt,
+                                       capacity).tolist() != ref.tolist()
+            n_views += 1
+    assert tail_off_differs > n_views // 10
+
+
 def test_native_select_can_disagree_with_a_wrong_rule():
     """The oracle test has teeth: a rule that differs from the method's (newest vs oldest first) is caught."""
     all_classes = np.array([0] + [6] * 40, dtype=np.int64)  # sink + one long description span

@@ -33,7 +33,8 @@ class LayerView:
 class StepRule:
     """One layer's selection rule as data, for the native step (``pask-step.h``, struct pask_step_rule).
 
-    ``kind``: ``quota`` (PASK: per-class shares ``keep``, ``never`` classes, ``recent`` newest,
+    ``kind``: ``quota`` (PASK: per-class shares ``keep``, ``never`` classes, ``recent`` newest (at
+    least every generated position and every position >= ``protect_from``, PASK's held prompt tail),
     within-class ``order``, protection ``rank``), ``topk`` (the highest-scored positions, scores
     average-pooled by ``pool_kernel``; protected first: the ``protect_newest`` + floor(capacity x
     ``protect_ratio``) newest and every position >= ``protect_from``) or ``sink_recent``

@@ -91,7 +91,7 @@ class PASK(Method):
         rank = self.ranks[self.group_of[view.layer]]
         totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
         never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
-        recent = never.copy()  # never-evict classes first, then the call being written, then the newest
+        recent = never.copy()  # never-evict classes first, then the call being written, the tail, the newest
         n_gen = int((pos >= view.prompt_len).sum()) if view.prompt_len else 0
         tail_from = self.tail_from(view.prompt_len)
         n_tail = int((~never & (pos >= tail_from)).sum()) if tail_from >= 0 else 0
@@ -127,7 +127,8 @@ class PASK(Method):
             raise RuntimeError("PASK.step_rule before capacities()/compile()")
         group = self.group_of[layer]
         keep_frac = self.compiled.keep[group]
-        return StepRule("quota", recent=self.recent, protect_from=self.tail_from(prompt_len), never=tuple(class_index(c) for c in self.policy.never_evict),
+        return StepRule("quota", recent=self.recent, protect_from=self.tail_from(prompt_len),
+                        never=tuple(class_index(c) for c in self.policy.never_evict),
                         order=self.policy.within_class_order,
                         keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in self.ranks[group]))
 
