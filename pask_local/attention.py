@@ -1,10 +1,14 @@
-"""Attention statistics from our native probe (patch 0004), for score-based baselines.
+"""Attention statistics from our native probe (patches 0004, 0007), for score-based methods.
 
-``AttentionProbe`` owns a ``pask_attn_probe``; ``install(params)`` puts its eval callback into a
-``llama_context_params`` before the context is created (flash attention must be off). After each
-decode, ``stat(il, what)`` returns, per KV cell (column) of layer ``il``, the attention mass summed
-over queries and heads (``SUM``), over the last ``n_window`` queries (``WINDOW``), or the last
-query's attention averaged over heads (``LAST``). The callback runs natively: no Python per tensor.
+``AttentionProbe`` owns a ``pask_attn_probe``. After each decode, ``stat(il, what)`` returns, per KV
+cell (column) of layer ``il``, the attention mass summed over queries and heads (``SUM``), over the
+last ``n_window`` queries (``WINDOW``), or the last query's attention averaged over heads (``LAST``).
+Two ways to feed it:
+- ``attach(ctx, stats, n_cells)`` (what the engine uses): the context's decode graph computes the
+  statistics itself into per-layer accumulators (patch 0007): no eval callback, no host copy while
+  decoding, flash attention and quantized K/V allowed;
+- ``install(params)`` (the reference the in-graph mode is tested against): an eval callback on the
+  softmax tensors, set before the context is created; flash attention off.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class _Fns:
         self.n_kv = bind("pask_attn_probe_n_kv", ctypes.c_int32, [p, ctypes.c_int32])
         self.get = bind("pask_attn_probe_get", ctypes.c_int32,
                         [p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32])
+        self.attach = bind("pask_attn_probe_attach", ctypes.c_int32, [p, p, ctypes.c_int32, ctypes.c_int32])
+        self.detach = bind("pask_attn_probe_detach", None, [p])
         from .native import lib
 
         self.cb_addr = ctypes.cast(lib().pask_attn_probe_cb, ctypes.c_void_p).value
@@ -50,6 +56,23 @@ class AttentionProbe(NativeHandle):
         if not self._ptr:
             raise NativeError(f"pask_attn_probe_init({n_layer}, {n_window}) failed")
 
+    def attach(self, ctx, stats: tuple[int, ...] = (SUM, WINDOW, LAST), n_cells: int | None = None) -> None:
+        """Have ``ctx``'s decode graph compute ``stats`` (per layer, up to ``n_cells`` KV cells each)."""
+        mask = 0
+        for what in stats:
+            if what not in (SUM, WINDOW, LAST):
+                raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
+            mask |= 1 << what
+        n = int(n_cells if n_cells is not None else ctx.n_ctx)
+        if self._f.attach(ctx.address, self._ptr, mask, n) != 0:
+            raise NativeError(f"pask_attn_probe_attach failed ({self.n_layer} layers, {n} cells, statistics {mask})")
+        self._ctx = ctx
+
+    def detach(self) -> None:
+        ctx, self._ctx = getattr(self, "_ctx", None), None
+        if ctx is not None and getattr(ctx, "_ptr", None):
+            self._f.detach(ctx.address)
+
     def install(self, params) -> None:
         """Set cb_eval/cb_eval_user_data of a llama_context_params; forces flash attention off."""
         import llama_cpp.llama_cpp as raw
@@ -67,6 +90,8 @@ class AttentionProbe(NativeHandle):
 
     def n_kv(self, il: int) -> int:
         n = self._f.n_kv(self._ptr, il)
+        if n == -2:
+            raise NativeError(f"attention probe: a layer attended more KV cells than the probe holds (layer {il})")
         if n < 0:
             raise NativeError(f"attention probe: bad layer {il}")
         return n
@@ -79,6 +104,10 @@ class AttentionProbe(NativeHandle):
         if n:
             self._f.get(self._ptr, il, what, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
         return out
+
+    def close(self) -> None:
+        self.detach()  # a context that outlives its probe must not keep computing into freed tensors
+        super().close()
 
     def _release(self, ptr) -> None:
         self._f.free(ptr)
@@ -112,15 +141,29 @@ def _last_error() -> str:
     return (api().last_error() or b"").decode() or "pask_kv_cell_positions failed"
 
 
-def probed_layered_context(model, capacities, config, probe: AttentionProbe | None, unified: bool = False):
-    """A LayeredContext whose llama_context_params carry ``probe``'s eval callback (if any)."""
+def probed_layered_context(model, capacities, config, probe: AttentionProbe | None, unified: bool = False,
+                           stats: tuple[int, ...] = (SUM, WINDOW, LAST), in_graph: bool = True):
+    """A LayeredContext whose decode graph computes ``probe``'s ``stats`` (if a probe is given).
+
+    ``in_graph=False`` feeds the probe from an eval callback instead (flash attention off): the
+    reference the in-graph statistics are tested against.
+    """
     from .kv_layered import LayeredContext
+
+    if probe is None or in_graph:
+        ctx = LayeredContext(model, capacities, config, unified=unified)
+        if probe is not None:
+            try:
+                probe.attach(ctx, stats, max(capacities))
+            except BaseException:
+                ctx.close()
+                raise
+        return ctx
 
     class _Probed(LayeredContext):
         def params(self):  # noqa: D401 - LayeredContext builds its context from these params
             p = super().params()
-            if probe is not None:
-                probe.install(p)
+            probe.install(p)
             return p
 
     return _Probed(model, capacities, config, unified=unified)

@@ -17,13 +17,14 @@ ModelOption = Annotated[str | None, typer.Option("--model", help=MODEL_HELP, sho
 NglOption = Annotated[int, typer.Option("--ngl", help="Model layers offloaded to the GPU (-1: all; needs a CUDA "
                                         "build: scripts/build_llama.py --cuda). 0: CPU only.")]
 FlashAttnOption = Annotated[bool, typer.Option("--flash-attn/--no-flash-attn", help="Flash attention (methods "
-                                               "that rank by attention scores run without it).")]
+                                               "that rank by attention scores too: their statistics are computed "
+                                               "in the decode graph).")]
 HysteresisOption = Annotated[float, typer.Option("--hysteresis", help="A layer over its budget evicts this "
                                                  "fraction of its prompt capacity more at once, so selection runs "
                                                  "every ~F x capacity / (1 - budget) tokens; 0: every token.")]
 
 KvTypeOption = Annotated[str, typer.Option("--kv-type", help="K/V cache element type: f16, q8_0 or q4_0 (quantized: "
-                                           "flash attention on; methods that read attention scores need f16).")]
+                                           "flash attention on).")]
 
 
 def check_device_options(ngl: int, hysteresis: float, kv_type: str = "f16") -> None:

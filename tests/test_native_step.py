@@ -192,6 +192,20 @@ def test_engine_native_step_equals_python_reference(model, method, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["h2o", "tova", "snapkv", "pask-attn"])
+def test_engine_graph_statistics_evict_as_the_callback_reference(model, method, tmp_path):
+    """The statistics computed in the decode graph (patch 0007) lead every score method to the same
+    evictions and tokens as the eval-callback probe reading upstream's softmax (the reference)."""
+    ref, ref_trace = run(model, method, 0.33, tmp_path, "callback", graph_stats=False)
+    got, got_trace = run(model, method, 0.33, tmp_path, "graph")
+    assert got.stats["graph_stats"] and not ref.stats["graph_stats"]
+    ev_ref, ev_got = evictions(ref_trace), evictions(got_trace)
+    assert any(k[2] == "score" for k in ev_ref), "no score-ranked eviction: the check is empty"
+    assert ev_got == ev_ref
+    assert got.tokens == ref.tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["pask", "h2o"])
 def test_hysteresis_holds_the_budget_and_evicts_in_batches(model, method, tmp_path):
     plain, plain_trace = run(model, method, 0.33, tmp_path, "h0", hysteresis=0.0)
@@ -284,11 +298,15 @@ def test_engine_capacities_are_aligned_and_the_cost_reported(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_flash_attention_reaches_the_context_and_is_off_for_score_methods(model, tmp_path):
+def test_flash_attention_reaches_the_context_score_methods_included(model, tmp_path):
     on, _ = run(model, "pask", 0.33, tmp_path, "fa", flash_attn=True)
     assert on.stats["flash_attn"] is True and on.ok
     scored, _ = run(model, "h2o", 0.33, tmp_path, "fa-h2o", flash_attn=True)
-    assert scored.stats["flash_attn"] is False  # the probe reads the explicit softmax
+    # the statistics are computed in the decode graph beside the fused kernel (patch 0007)
+    assert scored.stats["flash_attn"] is True and scored.stats["graph_stats"] is True
+    assert scored.stats["max_over_budget_entries"] <= 0
+    ref, _ = run(model, "h2o", 0.33, tmp_path, "fa-h2o-callback", flash_attn=True, graph_stats=False)
+    assert ref.stats["flash_attn"] is False  # the eval-callback reference reads the explicit softmax
 
 
 # ------------------------------------------------------------------ compaction after a one-time compression

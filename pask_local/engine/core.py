@@ -78,9 +78,11 @@ class EngineConfig:
     hysteresis: float = 0.02      # native step: a layer over target evicts this fraction of its prompt
                                   # capacity more at once (0: exactly to target, as the reference rules)
     cell_align: int = 256         # layered capacities round up to a multiple of this (as upstream pads n_ctx)
-    flash_attn: bool = False      # flash attention (off for methods that read attention scores: the probe)
+    flash_attn: bool = False      # flash attention (score methods too: their statistics are computed in the graph)
     compact: bool = True          # after a one-time compression, move the kept cells to the lowest indices
     kv_type: str = "f16"          # K and V cache element type: f16 | q8_0 | q4_0 (quantized: flash attention on)
+    graph_stats: bool = True      # attention statistics computed in the decode graph (False: the eval-callback
+                                  # probe, the reference: a host copy of every softmax, flash attention off)
 
 
 KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # name -> ggml_type
@@ -158,9 +160,9 @@ class Engine:
         if not 0.0 <= self.cfg.hysteresis <= 0.5:
             raise PaskError(f"hysteresis must be in [0, 0.5], got {self.cfg.hysteresis}")
         kv_type_id(self.cfg.kv_type)
-        if self.cfg.kv_type != "f16" and method.needs_attention and not method.keeps_all:
-            raise PaskError(f"a {self.cfg.kv_type} KV cache needs flash attention, and method '{method.name}' "
-                            f"reads attention scores without it: use --kv-type f16 with it")
+        if self.cfg.kv_type != "f16" and not self.cfg.graph_stats and method.needs_attention and not method.keeps_all:
+            raise PaskError(f"a {self.cfg.kv_type} KV cache needs flash attention, and the eval-callback probe "
+                            f"reads attention scores without it: use graph statistics or --kv-type f16")
         self.swa, self.window = swa_layers(model)
 
     # ----------------------------------------------------------------- public
@@ -293,8 +295,10 @@ class _Run:
             self.probe = slot.probe if self.needs_attn else None
         else:
             self.probe = AttentionProbe(self.n_layer, self.cfg.probe_window) if self.needs_attn else None
-        # a quantized V cache needs flash attention (llama.cpp); the engine refused score methods for it
-        self.flash_attn = (self.cfg.flash_attn or self.cfg.kv_type != "f16") and not self.needs_attn
+        # a quantized V cache needs flash attention (llama.cpp); the probe's statistics are computed in
+        # the decode graph beside it (patch 0007)
+        self.flash_attn = (self.cfg.flash_attn or self.cfg.kv_type != "f16") and \
+            (self.cfg.graph_stats or not self.needs_attn)
         kv = kv_type_id(self.cfg.kv_type)
         cfgc = ContextConfig(n_ctx=n_ctx, n_batch=max(self.cfg.chunk, self.cfg.probe_window),
                              flash_attn=self.flash_attn, type_k=kv, type_v=kv)
@@ -318,7 +322,8 @@ class _Run:
             # bit for bit, and the GPU kernels need n_kv % 256 == 0 (the bytes this costs: stats)
             self.phys = [min(round_up(p, self.cfg.cell_align), round_up(max_len, self.cfg.cell_align))
                          for p in self.needed]
-            self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe)
+            self.ctx = probed_layered_context(self.model, self.phys, cfgc, self.probe, stats=self._probe_stats(),
+                                              in_graph=self.cfg.graph_stats)
         # layer groups for reporting: the method's (PASK: its policy's groups)
         self.group_list = self.method.report_groups(self.n_layer)
         self.layer_group = [0] * self.n_layer
@@ -510,6 +515,10 @@ class _Run:
         self.t1 = time.perf_counter()
         self.sampler = self.e.decoder_factory(self.model, self.plan, self.sampling)
 
+    def _probe_stats(self) -> tuple[int, ...]:
+        """The statistic the method reads: the prompt's window (compressing once) or its per-decode one."""
+        return (WINDOW,) if self.method.compress_after_prefill else (self._incremental_stat(),)
+
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM
 
@@ -691,6 +700,7 @@ class _Run:
             "kv_bytes_allocated": int(kv_bytes),
             "kv_bytes_alignment": int(rounding),  # of kv_bytes_allocated: capacities rounded to cell_align
             "flash_attn": self.flash_attn,
+            "graph_stats": self.needs_attn and self.cfg.graph_stats,
             "kv_type": self.slot.kv_type if self.slot is not None else self.cfg.kv_type,
             "slot_clamped_layers": self.clamped,  # layers whose prompt capacity a pool slot cut
             "prefix_reused": self.slot.reuse if self.slot is not None else 0,  # prompt tokens not prefilled

@@ -19,7 +19,7 @@ attention, the same effect as a different ubatch cut: docs/fidelity.md).
 
 from __future__ import annotations
 
-from ..attention import AttentionProbe, probed_layered_context
+from ..attention import WINDOW, AttentionProbe, probed_layered_context
 from ..errors import NativeError, PaskError
 from ..llm import ContextConfig
 from ..methods import Method
@@ -56,7 +56,7 @@ def run_shared(engines: list[Engine], prepared: list[Prepared], traces: list | N
         else None
     cfgc = ContextConfig(n_ctx=cells, n_batch=max(cfg0.chunk, cfg0.probe_window, m), n_seq_max=m,
                          kv_unified=True)
-    ctx = probed_layered_context(model, [cells] * model.n_layer, cfgc, probe, unified=True)
+    ctx = probed_layered_context(model, [cells] * model.n_layer, cfgc, probe, unified=True, stats=(WINDOW,))
     runs = []
     try:
         kv_bytes = ctx.kv_bytes() // m
