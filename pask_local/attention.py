@@ -34,6 +34,10 @@ class _Fns:
         self.n_kv = bind("pask_attn_probe_n_kv", ctypes.c_int32, [p, ctypes.c_int32])
         self.get = bind("pask_attn_probe_get", ctypes.c_int32,
                         [p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32])
+        self.n_kv_seq = bind("pask_attn_probe_n_kv_seq", ctypes.c_int32, [p, ctypes.c_int32, ctypes.c_int32])
+        self.get_seq = bind("pask_attn_probe_get_seq", ctypes.c_int32,
+                            [p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float),
+                             ctypes.c_int32])
         self.attach = bind("pask_attn_probe_attach", ctypes.c_int32, [p, p, ctypes.c_int32, ctypes.c_int32])
         self.detach = bind("pask_attn_probe_detach", None, [p])
         from .native import lib
@@ -88,21 +92,22 @@ class AttentionProbe(NativeHandle):
         """Stop (False) or resume observing; a stopped probe costs the decode no host copies."""
         self._f.set_enabled(self._ptr, int(on))
 
-    def n_kv(self, il: int) -> int:
-        n = self._f.n_kv(self._ptr, il)
+    def n_kv(self, il: int, seq_id: int = 0) -> int:
+        """Cells recorded for layer ``il`` (in-graph on a multi-stream cache: sequence ``seq_id``'s stream)."""
+        n = self._f.n_kv_seq(self._ptr, il, seq_id)
         if n == -2:
             raise NativeError(f"attention probe: a layer attended more KV cells than the probe holds (layer {il})")
         if n < 0:
-            raise NativeError(f"attention probe: bad layer {il}")
+            raise NativeError(f"attention probe: bad layer {il} or sequence {seq_id}")
         return n
 
-    def stat(self, il: int, what: int = SUM) -> np.ndarray:
+    def stat(self, il: int, what: int = SUM, seq_id: int = 0) -> np.ndarray:
         if what not in (SUM, WINDOW, LAST):
             raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
-        n = self.n_kv(il)
+        n = self.n_kv(il, seq_id)
         out = np.zeros(n, dtype=np.float32)
         if n:
-            self._f.get(self._ptr, il, what, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+            self._f.get_seq(self._ptr, il, what, seq_id, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
         return out
 
     def close(self) -> None:

@@ -115,6 +115,49 @@ def test_a_disabled_probe_computes_nothing_and_resumes(model):
     ctx.close()
 
 
+def test_each_stream_keeps_its_own_statistics(model):
+    """A multi-stream cache (one KV stream per sequence, as the slot pool runs): two sequences decoded
+    in one batch each get the statistics the callback probe reads for that sequence decoded alone."""
+    from pask_local.kv_layered import LayeredContext
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(10, 5000, size=CHUNK).tolist() for _ in range(2)]
+    nexts = [int(t) for t in rng.integers(10, 5000, size=2)]
+    want = []
+    for p, t in zip(prompts, nexts, strict=True):
+        probe = AttentionProbe(model.n_layer, WIN)
+        ctx = probed_layered_context(model, [256] * model.n_layer, ContextConfig(n_ctx=256, n_batch=CHUNK), probe,
+                                     in_graph=False)
+        assert ctx.decode(p, 0) == 0
+        probe.reset()
+        assert ctx.decode([t], CHUNK) == 0
+        want.append([{w: probe.stat(il, w) for w in (SUM, LAST)} for il in range(model.n_layer)])
+        ctx.close()
+        probe.close()
+    probe = AttentionProbe(model.n_layer, WIN)
+    cfg = ContextConfig(n_ctx=512, n_batch=2 * CHUNK, n_seq_max=2, kv_unified=False)
+    ctx = LayeredContext(model, [256] * model.n_layer, cfg, unified=False)
+    probe.attach(ctx, (SUM, LAST), 256)
+    assert ctx.decode_batch(prompts[0] + prompts[1], list(range(CHUNK)) * 2, [0] * CHUNK + [1] * CHUNK,
+                            [False] * (2 * CHUNK)) == 0
+    probe.reset()
+    assert ctx.decode_batch(nexts, [CHUNK, CHUNK], [0, 1], [True, True]) == 0
+    for seq in (0, 1):
+        for il in range(model.n_layer):
+            for what in (SUM, LAST):
+                got, ref = probe.stat(il, what, seq), want[seq][il][what]
+                n = min(len(got), len(ref))
+                assert n > CHUNK and not got[n:].any() and not ref[n:].any()
+                np.testing.assert_allclose(got[:n], ref[:n], rtol=1e-4, atol=1e-6,
+                                           err_msg=f"sequence {seq} layer {il} stat {what}")
+    # teeth: the two sequences attend differently
+    assert not np.allclose(probe.stat(0, LAST, 0)[:CHUNK], probe.stat(0, LAST, 1)[:CHUNK], atol=1e-3)
+    with pytest.raises(NativeError, match="sequence 2"):
+        probe.stat(0, SUM, 2)
+    probe.close()
+    ctx.close()
+
+
 def test_more_cells_than_the_probe_holds_is_an_error(model):
     probe = AttentionProbe(model.n_layer, WIN)
     cfg = ContextConfig(n_ctx=512, n_batch=CHUNK)

@@ -90,10 +90,13 @@ def test_layered_pool_at_full_capacity_equals_upstream_pool(model):
             np.testing.assert_array_equal(x, y)
 
 
-def test_a_request_does_not_see_its_neighbours(model):
+@pytest.mark.parametrize("method", ["pask-prior", "h2o", "tova"])
+def test_a_request_does_not_see_its_neighbours(model, method):
+    """H2O and TOVA rank by attention every step: each slot's statistics come from its own stream
+    (summed over the batch's streams, copies would still agree but different neighbours would not)."""
     a, b, c = same_length_cities(model, 3)
-    alone, alone_logs, _ = run_pool(model, "pask-prior", 0.33, [ask(a)] * 3)
-    mixed, mixed_logs, pool = run_pool(model, "pask-prior", 0.33, [ask(a), ask(b), ask(c)])
+    alone, alone_logs, _ = run_pool(model, method, 0.33, [ask(a)] * 3)
+    mixed, mixed_logs, pool = run_pool(model, method, 0.33, [ask(a), ask(b), ask(c)])
     # three copies of one request in three streams: three identical replies
     assert alone[0].tokens == alone[1].tokens == alone[2].tokens
     for x, y in zip(alone_logs[0], mixed_logs[0], strict=True):
@@ -182,7 +185,7 @@ def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
     pool = SlotPool(model, lay)
     try:
         q = user_message(ask("Paris"))
-        for method, budget, needle in [("snapkv", 0.33, "attention"), ("full", 1.0, "--method full"),
+        for method, budget, needle in [("snapkv", 0.33, "prefills the whole prompt"), ("full", 1.0, "--method full"),
                                        ("pask-prior", 0.5, "above this pool")]:
             e = engine(model, method, budget)
             with pytest.raises(PaskError, match=needle):

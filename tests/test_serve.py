@@ -416,8 +416,16 @@ def test_method_override_in_the_pask_field(client) -> None:
     assert ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
 
 
-def test_a_method_with_attention_scores_runs_only_unbatched(server, client) -> None:
+def test_attention_methods_batched_and_unbatched(server, client) -> None:
+    """H2O reads attention every step: batched, from its own stream's in-graph statistics; SnapKV
+    prefills the whole prompt before compressing: only unbatched (a batched slot holds the budget)."""
     batched = _http(server + "/health").json()["batch"]
+    h2o = client.chat.completions.create(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=96,
+                                         extra_body={"pask": {"method": "h2o", "budget": 0.2}})
+    _check_call(h2o.choices[0].message.tool_calls[0], ("get_weather",))
+    ext = h2o.model_extra["pask"]
+    assert ext["method"] == "h2o" and ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
     kwargs = dict(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
                   parallel_tool_calls=False, max_tokens=96, extra_body={"pask": {"method": "snapkv", "budget": 0.2}})
     if batched:

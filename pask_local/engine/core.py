@@ -128,7 +128,7 @@ class SlotSpec:
     flash_attn: bool = False
     reuse: int = 0          # prompt positions [0, reuse) already in the stream (a cached prefix)
     kv_type: str = "f16"    # the pool's K/V element type
-    probe: AttentionProbe | None = None  # a shared prefill's probe (engine.shared): its owner resets and frees it
+    probe: AttentionProbe | None = None  # the shared context's probe (pool, shared prefill): its owner resets and frees it
     compact: bool = False   # after the prefill, gather the sequence's held cells at its stream's lowest indices
 
 
@@ -243,8 +243,9 @@ class Engine:
 
 
 def slot_ready(method: Method) -> bool:
-    """Whether ``method`` can run in a pool slot: no attention statistics, no whole-prompt prefill."""
-    return method.keeps_all or not (method.needs_attention or method.compress_after_prefill)
+    """Whether ``method`` can run in a pool slot (whose cells are sized from the budget): no whole-prompt
+    prefill. Attention statistics come from the pool's probe, one stream per slot (patch 0007)."""
+    return method.keeps_all or not method.compress_after_prefill
 
 
 def round_up(n: int, align: int = EngineConfig.cell_align) -> int:
@@ -288,9 +289,9 @@ class _Run:
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
-        if slot is not None and slot.probe is None and not slot_ready(self.method):
+        if slot is not None and slot.probe is None and (self.needs_attn or not slot_ready(self.method)):
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
-                            f"prefill: it cannot run in a shared slot pool")
+                            f"prefill: it needs a slot with an attention probe")
         if slot is not None:
             self.probe = slot.probe if self.needs_attn else None
         else:
@@ -434,8 +435,8 @@ class _Run:
             return
         assert self.probe is not None and self.scores is not None
         for il in range(self.n_layer):
-            stat = self.probe.stat(il, what)
-            cells = cell_positions(self.ctx, il)
+            stat = self.probe.stat(il, what, self.seq_id)
+            cells = cell_positions(self.ctx, il, self.seq_id)
             n = min(len(stat), len(cells))
             valid = cells[:n] >= 0
             if what == LAST:

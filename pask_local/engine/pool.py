@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..attention import LAST, SUM, AttentionProbe
 from ..errors import NativeError, PaskError
 from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, ContextConfig, Model
@@ -143,12 +144,18 @@ class SlotPool:
         cfg = ContextConfig(n_ctx=layout.slots * round_up(layout.slot_len), n_batch=n_batch,
                             n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn, type_k=kv, type_v=kv)
         self.flash_attn = flash_attn
+        self.probe: AttentionProbe | None = None
         if layout.full:
             self.ctx: Context = Context(model, cfg)
             self.kv_bytes = kv_total_bytes(self.ctx)
         else:
             self.ctx = LayeredContext(model, layout.capacities, cfg, unified=False)
             self.kv_bytes = self.ctx.kv_bytes()
+            # H2O and TOVA read attention every step: the decode graph computes it per stream (one per
+            # slot), only in steps where a running request reads it
+            self.probe = AttentionProbe(model.n_layer)
+            self.probe.attach(self.ctx, (SUM, LAST), max(layout.capacities))
+            self.probe.set_enabled(False)
         self.slot_bytes = self.kv_bytes // layout.slots
         self._free = list(range(layout.slots))
         self._waiting: deque[_Request] = deque()
@@ -215,9 +222,9 @@ class SlotPool:
         """Raise ``PaskError`` if the request cannot run in this pool (before it waits for a slot)."""
         method, lay = engine.method, self.layout
         if not slot_ready(method):
-            raise PaskError(f"method '{method.name}' reads attention scores or prefills the whole prompt "
-                            f"first: the batched pool serves methods without them (full, pask, pask-prior, "
-                            f"streaming); start the server with --no-batch to use it")
+            raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: the "
+                            f"batched pool's slots hold only the budget (it serves full, pask, pask-prior, "
+                            f"streaming, h2o, tova); start the server with --no-batch to use it")
         if method.keeps_all != lay.full:
             raise PaskError(f"this pool's slots hold {'full KV' if lay.full else f'budget {lay.budget}'}: "
                             f"method '{method.name}' needs a server started with --method {method.name}")
@@ -258,6 +265,8 @@ class SlotPool:
             self._fail_all(PoolClosed("the pool is shutting down"))
         if not self._thread.is_alive():
             self.ctx.close()
+            if self.probe is not None:
+                self.probe.close()
 
     def stats(self) -> dict[str, Any]:
         lay = self.layout
@@ -277,7 +286,7 @@ class SlotPool:
                 continue
             seq, reuse = self._pick_slot(req.prepared.plan.prompt.tokens)
             spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse,
-                            self.layout.kv_type, compact=True)
+                            self.layout.kv_type, compact=True, probe=self.probe)
             try:
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
             except BaseException as exc:
@@ -396,6 +405,11 @@ class SlotPool:
         if not rows:
             return
         self.max_prompt_step = max(self.max_prompt_step, n_prompt_toks)
+        if self.probe is not None:  # statistics only in steps that a running request reads
+            scoring = any(req.run.needs_attn for req, _ in rows)
+            self.probe.set_enabled(scoring)
+            if scoring:
+                self.probe.reset()
         t1 = time.perf_counter()
         status = self.ctx.decode_batch(toks, pos, seqs, want)
         t2 = time.perf_counter()

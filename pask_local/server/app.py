@@ -110,8 +110,8 @@ class Server:
         slots = config.slots
         if config.batch:
             if not slot_ready(method):
-                raise PaskError(f"method '{method.name}' reads attention scores or prefills the whole prompt "
-                                f"first: it cannot run batched; start with --no-batch")
+                raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: it "
+                                f"cannot run batched; start with --no-batch")
             layout = self.pool_layout(method)
             self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens,
                                  prefix_cache=config.prefix_cache)

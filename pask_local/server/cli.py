@@ -59,8 +59,9 @@ def serve_command(
                                         "count follows from the method and budget (overrides --slots). 0: use "
                                         "--slots.")] = 0,
     batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Continuous batching of all slots in one "
-                                        "persistent context (methods without attention scores: full, pask, "
-                                        "pask-prior, streaming), or one context per request (any method).")] = True,
+                                        "persistent context (methods that do not prefill the whole prompt "
+                                        "first: full, pask, pask-prior, streaming, h2o, tova), or one context "
+                                        "per request (any method).")] = True,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot; beyond that: "
                                        "429.")] = 8,
     prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Batched: prompt tokens one step may "
