@@ -24,6 +24,13 @@ from .native import NativeHandle, bind
 SUM, WINDOW, LAST = 0, 1, 2
 
 
+def _statistic(what: int) -> int:
+    """``what`` if it names a statistic (SUM, WINDOW, LAST), else a one-line NativeError."""
+    if what not in (SUM, WINDOW, LAST):
+        raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
+    return what
+
+
 class _Fns:
     def __init__(self) -> None:
         p = ctypes.c_void_p
@@ -31,9 +38,6 @@ class _Fns:
         self.free = bind("pask_attn_probe_free", None, [p])
         self.reset = bind("pask_attn_probe_reset", None, [p])
         self.set_enabled = bind("pask_attn_probe_set_enabled", None, [p, ctypes.c_int32])
-        self.n_kv = bind("pask_attn_probe_n_kv", ctypes.c_int32, [p, ctypes.c_int32])
-        self.get = bind("pask_attn_probe_get", ctypes.c_int32,
-                        [p, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float), ctypes.c_int32])
         self.n_kv_seq = bind("pask_attn_probe_n_kv_seq", ctypes.c_int32, [p, ctypes.c_int32, ctypes.c_int32])
         self.get_seq = bind("pask_attn_probe_get_seq", ctypes.c_int32,
                             [p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ctypes.c_float),
@@ -64,9 +68,7 @@ class AttentionProbe(NativeHandle):
         """Have ``ctx``'s decode graph compute ``stats`` (per layer, up to ``n_cells`` KV cells each)."""
         mask = 0
         for what in stats:
-            if what not in (SUM, WINDOW, LAST):
-                raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
-            mask |= 1 << what
+            mask |= 1 << _statistic(what)
         n = int(n_cells if n_cells is not None else ctx.n_ctx)
         if self._f.attach(ctx.address, self._ptr, mask, n) != 0:
             raise NativeError(f"pask_attn_probe_attach failed ({self.n_layer} layers, {n} cells, statistics {mask})")
@@ -102,8 +104,7 @@ class AttentionProbe(NativeHandle):
         return n
 
     def stat(self, il: int, what: int = SUM, seq_id: int = 0) -> np.ndarray:
-        if what not in (SUM, WINDOW, LAST):
-            raise NativeError(f"attention probe: unknown statistic {what!r} (SUM, WINDOW or LAST)")
+        _statistic(what)
         n = self.n_kv(il, seq_id)
         out = np.zeros(n, dtype=np.float32)
         if n:

@@ -158,6 +158,24 @@ def test_each_stream_keeps_its_own_statistics(model):
     ctx.close()
 
 
+def test_attaching_elsewhere_detaches_the_first_context(model):
+    from pask_local.kv_layered import LayeredContext
+
+    probe = AttentionProbe(model.n_layer, WIN)
+    cfg = ContextConfig(n_ctx=256, n_batch=CHUNK)
+    first, second = (LayeredContext(model, [256] * model.n_layer, cfg) for _ in range(2))
+    probe.attach(first, (SUM,), 256)
+    probe.attach(second, (SUM,), 256)
+    probe.reset()
+    assert first.decode(list(range(100, 100 + CHUNK)), 0) == 0  # computes nothing into the probe
+    assert probe.n_kv(0) == 0 and not probe.stat(0, SUM).any()
+    assert second.decode(list(range(100, 100 + CHUNK)), 0) == 0
+    assert probe.n_kv(0) >= CHUNK
+    probe.close()
+    first.close()
+    second.close()
+
+
 def test_more_cells_than_the_probe_holds_is_an_error(model):
     probe = AttentionProbe(model.n_layer, WIN)
     cfg = ContextConfig(n_ctx=512, n_batch=CHUNK)
