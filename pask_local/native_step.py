@@ -22,7 +22,7 @@ from .native import NativeHandle, bind
 
 MAX_CLASSES = 32
 KINDS = {"quota": 0, "topk": 1, "sink_recent": 2}
-ORDERS = {"oldest-first": 0, "newest-first": 1, "span-head": 2, "attention": 3}
+ORDERS = {"oldest-first": 0, "newest-first": 1, "span-head": 2, "attention": 3, "tool-relevance": 4}
 RULE_CODES = {"policy": 0, "score": 1, "window": 2}
 RULE_NAMES = {v: k for k, v in RULE_CODES.items()}
 
@@ -73,6 +73,7 @@ class _Fns:
         self.init = bind("pask_step_init", p, [p, i32, ctypes.POINTER(_Rule), i32, ip, i32, i32, i32, i32, p, i32])
         self.free = bind("pask_step_free", None, [p])
         self.set_trace = bind("pask_step_set_trace", None, [p, i32])
+        self.set_priority = bind("pask_step_set_priority", i32, [p, ctypes.POINTER(ctypes.c_double), i32])
         self.collect = bind("pask_step_collect", i32, [p, i32])
         self.evict_to = bind("pask_step_evict_to", i32, [p, i32, i32, i32, i32])
         self.drop_window = bind("pask_step_drop_window", i32, [p, i32, i32])
@@ -137,6 +138,13 @@ class NativeStep(NativeHandle):
             _check(-4, "pask_step_init")
         self._held = (ctypes.c_int32 * self.n_layer)()
         self._ev = np.zeros(4 * 4096, dtype=np.int32)
+
+    def set_priority(self, priority: Sequence[float] | np.ndarray) -> None:
+        """Per-position priorities of the ``tool-relevance`` order (higher persists first; a position
+        past the array has its position as priority)."""
+        pr = np.ascontiguousarray(np.asarray(priority, dtype=np.float64))
+        _check(self._f.set_priority(self._ptr, pr.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), len(pr)),
+               "pask_step_set_priority")
 
     def set_trace(self, on: bool) -> None:
         self._f.set_trace(self._ptr, int(on))

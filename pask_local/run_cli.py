@@ -32,8 +32,8 @@ from .jsonfile import read_json_file
 PROMPT_STYLES = {"auto": "auto", "native": "native", "plain": "instruction"}
 METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
                "(PASK with the hand-written prior policy), pask-attn (PASK's class shares, ranked by "
-               "attention inside each class) or pask-hybrid (structural floors; the rest of the budget "
-               "by attention).")
+               "attention inside each class), pask-hybrid (structural floors; the rest of the budget "
+               "by attention) or pask-tools (PASK's class shares; the tools the query names persist first).")
 
 
 def _read_messages(path: Path) -> tuple[list, object | None, object | None]:
@@ -60,7 +60,7 @@ def run_command(
     model: ModelOption = None,
     method: Annotated[str, typer.Option("--method", help=METHOD_HELP)] = "pask",
     budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,
-    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn, pask-hybrid). "
+    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn, pask-hybrid, pask-tools). "
                                                 "Default: the model's shipped policy.", show_default=False)] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Allow a list of calls.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit.")] = 256,

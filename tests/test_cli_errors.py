@@ -73,7 +73,7 @@ def test_policy_for_another_model(cli, bad_files):
     proc = cli("run", "--schema", SCHEMA, "--policy", str(bad_files / "policy26.json"), "hi")
     assert_one_line_error(proc, "26 layers but the model has 18")
     proc = cli("run", "--schema", SCHEMA, "--method", "snapkv", "--policy", str(bad_files / "policy26.json"), "hi")
-    assert_one_line_error(proc, "applies to pask, pask-attn and pask-hybrid only")
+    assert_one_line_error(proc, "applies to pask, pask-attn, pask-hybrid and pask-tools only")
     proc = cli("run", "--schema", SCHEMA, "--method", "pask-prior", "--policy", str(bad_files / "policy26.json"), "hi")
     assert_one_line_error(proc, "hand-written prior")
 

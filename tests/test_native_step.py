@@ -26,6 +26,7 @@ from pask_local.errors import NativeError
 from pask_local.llm import ContextConfig, Model
 from pask_local.methods import H2O, PASK, TOVA, LayerView, PyramidKV, SnapKV, StreamingLLM
 from pask_local.methods.base import StepRule
+from pask_local.methods.pask import relevance_priority
 from pask_local.native_step import LayerRule, NativeStep, select
 from pask_local.policy.handwritten import handwritten_policy, hybrid_policy
 from pask_local.schema.tools import read_tools
@@ -91,6 +92,25 @@ def test_native_select_equals_python_pask(v, order, budget, recent, hold_tail):
                      scores=scores if order == "attention" else None, prompt_len=prompt_len,
                      all_classes=all_classes)
     ref, nat = both(method, view, capacity)
+    assert nat.tolist() == ref.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(v=views(), budget=st.floats(0.05, 1.0), recent=st.sampled_from([0, 4, 32]), hold_tail=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
+def test_native_select_equals_python_pask_tool_relevance(v, budget, recent, hold_tail, seed):
+    """The tool-relevance order: prompt positions by the priorities uploaded once (few distinct tool
+    relevances, so that ties between tools fall to span-head), generated positions span-head."""
+    all_classes, pos, _, capacity, prompt_len, layer = v
+    method = pask_method("tool-relevance", budget, all_classes, recent=recent, hold_tail=hold_tail)
+    relevance = np.random.default_rng(seed).choice([0.0, 0.25, 0.5, 1.0], size=prompt_len)
+    method._priority = relevance_priority(relevance, all_classes[:prompt_len])  # as observe_prompt sets it
+    view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], prompt_len=prompt_len,
+                     all_classes=all_classes)
+    ref = np.sort(method.select(view, capacity))
+    rule = method.step_rule(layer, 4, prompt_len)
+    prio = method._priority[np.minimum(pos, max(0, prompt_len - 1))] if prompt_len else np.zeros(len(pos))
+    nat = select(rule, pos, view.classes, prio, all_classes, prompt_len, capacity)
     assert nat.tolist() == ref.tolist()
 
 

@@ -267,7 +267,11 @@ class _Run:
         self.trace = trace
         self.n_layer = self.model.n_layer
         self.n_prompt = len(prompt.tokens)
-        self.all_classes = list(class_indices(prompt.classes))
+        classes = class_indices(prompt.classes)
+        if self.method.reads_prompt_text:
+            self.method.observe_prompt([self.model.piece(t).decode("utf-8", "replace") for t in prompt.tokens],
+                                       classes)
+        self.all_classes = [int(c) for c in classes]
         self.caps = self.method.capacities(self.cfg.budget, np.asarray(self.all_classes), self.n_layer)
         if self.method.scales_swa_capacity:
             # a sliding-window layer's full KV is min(N, W): its share of the budget scales with it
@@ -346,6 +350,9 @@ class _Run:
                  for il in range(self.n_layer)]
         stat = self._incremental_stat() if self.scores_each_decode else -1
         step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat, self.seq_id)
+        priority = self.method.step_priority()
+        if priority is not None:
+            step.set_priority(priority)
         step.set_trace(self.trace.enabled)
         return step
 

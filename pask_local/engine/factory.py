@@ -14,9 +14,9 @@ from ..policy import Policy
 from ..policy.handwritten import handwritten_policy, hybrid_policy
 from ..policy.shipped import resolve_default_policy
 
-PASK_VARIANTS = ("pask", "pask-prior", "pask-attn", "pask-hybrid")
+PASK_VARIANTS = ("pask", "pask-prior", "pask-attn", "pask-hybrid", "pask-tools")
 # the methods that run the model's default (resolved) policy when none is given
-DEFAULT_POLICY_METHODS = ("pask", "pask-attn")
+DEFAULT_POLICY_METHODS = ("pask", "pask-attn", "pask-tools")
 
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
@@ -27,12 +27,14 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     ``pask-attn`` is PASK with the resolved policy's class shares, ranked by attention inside each
     class (its ``within_class_order`` set to ``attention``); ``pask-hybrid`` keeps only a policy's
     floors as class quotas (by default ``hybrid_policy``'s) and gives the rest of the budget to the
-    tokens attention ranks highest, whatever their class."""
+    tokens attention ranks highest, whatever their class; ``pask-tools`` is PASK with the resolved
+    policy's class shares and the ``tool-relevance`` order (inside a class, the entries of the tools
+    the query's words point to persist first; decided before prefill)."""
     if name not in METHOD_NAMES:
         raise PaskError(f"unknown method '{name}' (choose from {', '.join(METHOD_NAMES)})")
     if name not in PASK_VARIANTS:
         if policy is not None:
-            raise PaskError(f"--policy applies to pask, pask-attn and pask-hybrid only, not '{name}'")
+            raise PaskError(f"--policy applies to pask, pask-attn, pask-hybrid and pask-tools only, not '{name}'")
         return BASELINES[name]()
     if name == "pask-prior":
         if policy is not None:
@@ -51,6 +53,8 @@ def make_method(name: str, model: Model, policy: str | Path | Policy | None = No
     pol.check_model(model.n_layer)
     if name == "pask-attn":
         pol = dataclasses.replace(pol, within_class_order="attention")
+    elif name == "pask-tools":
+        pol = dataclasses.replace(pol, within_class_order="tool-relevance")
     elif name == "pask-hybrid":
         pol = dataclasses.replace(pol, within_class_order="attention", residual="attention")
     swa, window = swa_layers(model)

@@ -26,7 +26,7 @@ from .data import Case
 from .prompting import ENGINE_STYLES, Task, checker_text, make_task, task_plan
 
 KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask", "pask-prior",
-                                   "pask-attn", "pask-hybrid")
+                                   "pask-attn", "pask-hybrid", "pask-tools")
 
 
 @dataclass

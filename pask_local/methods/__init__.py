@@ -18,7 +18,8 @@ BASELINES: dict[str, type[Method]] = {
 # pask-prior: PASK with the hand-written prior policy; pask-attn: the model's policy, ranked by
 # attention inside each class (within_class_order "attention"); pask-hybrid: structural floors, the
 # rest of the budget by attention (engine/factory.py)
-METHOD_NAMES = (*BASELINES, "pask", "pask-prior", "pask-attn", "pask-hybrid")
+# pask-tools: the model's policy with the tool-relevance order (the tools the query's words point to first)
+METHOD_NAMES = (*BASELINES, "pask", "pask-prior", "pask-attn", "pask-hybrid", "pask-tools")
 
 __all__ = ["BASELINES", "METHOD_NAMES", "H2O", "PASK", "TOVA", "FullKV", "LayerView", "Method",
            "PyramidKV", "SnapKV", "StreamingLLM"]

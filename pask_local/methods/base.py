@@ -5,7 +5,8 @@ which of the held positions to keep when the layer must shrink to ``capacity`` (
 what each layer's capacity is for a given budget (``capacities``). Positions are token positions;
 ``LayerView`` carries everything a rule may look at. What a method needs from the engine it declares
 in class attributes (``keeps_all``, ``needs_attention``, ``attention_stat``, ``compress_after_prefill``,
-``plans_prompt``, ``scales_swa_capacity``), so the engine never branches on a method's name.
+``plans_prompt``, ``scales_swa_capacity``, ``reads_prompt_text``), so the engine never branches on a
+method's name.
 ``step_rule`` describes the same selection as data (``StepRule``) for the native persistence step
 (patch 0006), which runs it once per generated token without Python; ``select`` stays the reference.
 """
@@ -64,6 +65,7 @@ class Method:
     compress_after_prefill = False   # True: the prompt is prefilled whole, then compressed once
     plans_prompt = False             # True: select() on the whole prompt before prefill (no scores needed)
     scales_swa_capacity = True       # True: the engine scales a sliding-window layer's capacity by its window
+    reads_prompt_text = False        # True: the engine passes the prompt's token texts (observe_prompt)
 
     def report_groups(self, n_layer: int) -> list[list[int]]:
         """Layer groups that stats, traces and the TUI report by: 4 contiguous groups."""
@@ -78,6 +80,13 @@ class Method:
     def budget_warnings(self) -> list[str]:
         """Why the last ``capacities`` call could not meet the budget (empty: it did)."""
         return []
+
+    def observe_prompt(self, pieces: list[str], classes: np.ndarray) -> None:
+        """The prompt's token texts and classes, before ``capacities`` (only if ``reads_prompt_text``)."""
+
+    def step_priority(self) -> np.ndarray | None:
+        """Per-position priorities the native step ranks by (rules with order ``tool-relevance``), or None."""
+        return None
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         """KV cells each layer may hold for a sequence whose tokens have these classes."""

@@ -10,7 +10,10 @@ keeps ``ceil(keep[g][c] * n_c)`` of its ``n_c`` tokens so far (classes in the po
 tool's description: every span loses its tail before any span loses its head, so each tool keeps
 the start of its description instead of the oldest tools losing theirs whole), or ``attention``
 (the tokens that the prompt's last ``window`` queries attend to most persist first: SnapKV's pooled
-observation-window statistic, used only to rank tokens inside a class whose share the policy fixed).
+observation-window statistic, used only to rank tokens inside a class whose share the policy fixed),
+or ``tool-relevance`` (span-head, but the entries of the tools whose words the query shares persist
+first, ``tagging.relevance``: a tool's description, parameter names and types outlast every
+less relevant tool's; decided from the prompt's text before prefill, so it evicts while prefilling).
 If rounding leaves the layer over capacity, the least protective classes (``PROTECTION_ORDER``) give
 up tokens first, in the same order; if it leaves room, the most protective evicted tokens come back.
 
@@ -30,6 +33,7 @@ import numpy as np
 
 from ..classes import PROTECTION_ORDER, StructuralClass, class_index
 from ..policy import CompiledPolicy, Policy, compile_policy
+from ..tagging.relevance import tool_relevance
 from .base import LayerView, Method, StepRule
 from .snapkv import pool_scores
 
@@ -57,7 +61,16 @@ class PASK(Method):
         self.needs_attention = policy.within_class_order == "attention"
         self.compress_after_prefill = self.needs_attention
         self.plans_prompt = not self.needs_attention  # a structural order: decided before prefill
+        self.reads_prompt_text = policy.within_class_order == "tool-relevance"
+        self._priority: np.ndarray | None = None  # tool-relevance: per prompt position (observe_prompt)
         self.kernel = 7  # score pooling, as SnapKV
+
+    def observe_prompt(self, pieces: list[str], classes: np.ndarray) -> None:
+        if self.reads_prompt_text:
+            self._priority = relevance_priority(tool_relevance(pieces, classes), np.asarray(classes))
+
+    def step_priority(self) -> np.ndarray | None:
+        return self._priority if self.reads_prompt_text else None
 
     def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
         self._prompt_classes = np.asarray(classes, dtype=np.int64)
@@ -100,7 +113,7 @@ class PASK(Method):
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
         kept = recent.copy()
-        worth = self._worth(pos, view.all_classes, view.scores)  # within a class: higher persists first
+        worth = self._worth(pos, view.all_classes, view.scores, view.prompt_len)  # higher persists first
         for ci in np.unique(cls):
             of_class = cls == ci
             members = np.flatnonzero(of_class & ~kept)
@@ -145,7 +158,7 @@ class PASK(Method):
         return first if first < prompt_len else -1
 
     def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
-               scores: np.ndarray | None = None) -> np.ndarray:
+               scores: np.ndarray | None = None, prompt_len: int = 0) -> np.ndarray:
         """Within-class persistence order of ``pos`` (higher persists first; all values distinct)."""
         order = self.policy.within_class_order
         if order == "attention":
@@ -153,6 +166,14 @@ class PASK(Method):
                 raise RuntimeError("PASK with within_class_order 'attention' needs attention scores")
             pooled = pool_scores(pos, scores, self.kernel)
             return np.lexsort((pos, pooled)).argsort().astype(np.float64)  # rank; ties: newer first
+        if order == "tool-relevance":  # prompt positions by priority, generated ones span-head
+            pr = self._priority
+            if pr is None or len(pr) < prompt_len or all_classes is None:
+                raise RuntimeError("PASK with within_class_order 'tool-relevance' needs observe_prompt() first")
+            head = -span_offsets(all_classes)[pos] + pos / (pos.max(initial=0) + 1.0)
+            if prompt_len == 0:
+                return head
+            return np.where(pos < prompt_len, pr[np.minimum(pos, max(0, prompt_len - 1))], head)
         if order == "newest-first":
             return (-pos).astype(np.float64)
         if order == "span-head" and all_classes is not None and len(all_classes) > int(pos.max(initial=0)):
@@ -160,6 +181,15 @@ class PASK(Method):
             # a smaller offset in its span persists first; among equal offsets, the newer span
             return -offset.astype(np.float64) + pos / (pos.max(initial=0) + 1.0)
         return pos.astype(np.float64)
+
+
+def relevance_priority(relevance: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """The ``tool-relevance`` order as one priority per prompt position (higher persists first, all
+    distinct): its tool's relevance (in thousandths) first, then span-head (a smaller offset in its
+    span first; among equal offsets the newer span)."""
+    n = len(classes)
+    rel = np.round(np.clip(np.asarray(relevance, dtype=np.float64), 0.0, 1.0) * 1000.0)
+    return rel * 1e6 - span_offsets(np.asarray(classes, dtype=np.int64)) + np.arange(n) / (n + 1.0)
 
 
 def _floor_ranks(floors: dict[StructuralClass, float]) -> np.ndarray:

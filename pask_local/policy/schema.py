@@ -21,8 +21,10 @@ from ..jsonfile import read_json_file
 FORMAT_VERSION = 1
 KINDS = ("hand-written", "calibrated", "mapped")
 # Which tokens of a class go first when only part of it persists: the oldest, the newest, or the
-# tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist).
-ORDERS = ("oldest-first", "newest-first", "span-head", "attention")
+# tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist);
+# ``tool-relevance``: span-head, but the entries of the tools the query's words point to persist first
+# (``tagging.relevance``, decided before prefill from the prompt's text); ``attention``: by attention.
+ORDERS = ("oldest-first", "newest-first", "span-head", "attention", "tool-relevance")
 # What the capacity left after the floors goes to: ``weights`` (water-filled over the classes by
 # weight, then ranked inside each class) or ``attention`` (no class shares beyond the floors: the
 # highest-attention tokens of any class; needs within_class_order "attention").
