@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,13 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def evictions(trace) -> dict[tuple[int, int, str], set[int]]:
+    """A trace's evictions: (step, layer, rule) -> the positions evicted."""
+    out: dict[tuple[int, int, str], set[int]] = defaultdict(set)
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == "evict":
+            out[(rec["step"], rec["layer"], rec["rule"])] |= set(rec["positions"])
+    return dict(out)

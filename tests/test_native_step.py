@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import json
-from collections import defaultdict
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, evictions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,15 +177,6 @@ EXAMPLE = ("get_weather.json", "What is the weather like in Paris today? Answer 
 @pytest.fixture(scope="module")
 def model(gemma_path) -> Model:
     return Model(gemma_path)
-
-
-def evictions(trace) -> dict[tuple[int, int, str], set[int]]:
-    out: dict[tuple[int, int, str], set[int]] = defaultdict(set)
-    for line in trace.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["type"] == "evict":
-            out[(rec["step"], rec["layer"], rec["rule"])] |= set(rec["positions"])
-    return dict(out)
 
 
 def run(model, method, budget, tmp_path, tag, **cfg):

@@ -11,10 +11,10 @@ Gemma 3 270M's instruction prompt).
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 
 import numpy as np
 import pytest
+from conftest import evictions
 
 from pask_local.classes import StructuralClass as C
 from pask_local.classes import class_index
@@ -150,15 +150,6 @@ def test_pask_tools_equals_the_prior_with_one_tool(qwen):
         out[name] = engine.run(TOOLS[1:2], TRIANGLE)
     assert out["pask-tools"].tokens == out["pask-prior"].tokens
     assert out["pask-tools"].stats["held_per_group"] == out["pask-prior"].stats["held_per_group"]
-
-
-def evictions(trace) -> dict[tuple[int, int, str], set[int]]:
-    out: dict[tuple[int, int, str], set[int]] = defaultdict(set)
-    for line in trace.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["type"] == "evict":
-            out[(rec["step"], rec["layer"], rec["rule"])] |= set(rec["positions"])
-    return dict(out)
 
 
 @pytest.mark.slow
