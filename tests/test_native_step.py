@@ -267,7 +267,7 @@ def test_step_refuses_bad_rules_and_positions(model):
 
 def test_select_refuses_bad_arrays():
     rule = StepRule("quota", order="attention", keep=(0.5,) * N_CLASSES, rank=tuple(range(N_CLASSES)))
-    with pytest.raises(NativeError, match="needs scores"):
+    with pytest.raises(NativeError, match="orders need scores"):
         select(rule, [0, 1], [0, 0], None, [0, 0], 2, 1)
     with pytest.raises(NativeError, match="out of range"):
         select(StepRule("topk"), [-1], [0], [1.0], [0], 1, 0)
