@@ -140,8 +140,8 @@ class NativeStep(NativeHandle):
         self._ev = np.zeros(4 * 4096, dtype=np.int32)
 
     def set_priority(self, priority: Sequence[float] | np.ndarray) -> None:
-        """Per-position priorities of the ``tool-relevance`` order (higher persists first; a position
-        past the array has its position as priority)."""
+        """The priority of every prompt position for the ``tool-relevance`` order (higher persists
+        first; one value per prompt position, generated positions rank span-head)."""
         pr = np.ascontiguousarray(np.asarray(priority, dtype=np.float64))
         _check(self._f.set_priority(self._ptr, pr.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), len(pr)),
                "pask_step_set_priority")

@@ -70,7 +70,7 @@ class PASK(Method):
             self._priority = relevance_priority(tool_relevance(pieces, classes), np.asarray(classes))
 
     def step_priority(self) -> np.ndarray | None:
-        return self._priority if self.reads_prompt_text else None
+        return self._priority
 
     def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
         self._prompt_classes = np.asarray(classes, dtype=np.int64)
@@ -170,17 +170,21 @@ class PASK(Method):
             pr = self._priority
             if pr is None or len(pr) < prompt_len or all_classes is None:
                 raise RuntimeError("PASK with within_class_order 'tool-relevance' needs observe_prompt() first")
-            head = -span_offsets(all_classes)[pos] + pos / (pos.max(initial=0) + 1.0)
+            head = _span_head(pos, all_classes)
             if prompt_len == 0:
                 return head
             return np.where(pos < prompt_len, pr[np.minimum(pos, max(0, prompt_len - 1))], head)
         if order == "newest-first":
             return (-pos).astype(np.float64)
         if order == "span-head" and all_classes is not None and len(all_classes) > int(pos.max(initial=0)):
-            offset = span_offsets(all_classes)[pos]
-            # a smaller offset in its span persists first; among equal offsets, the newer span
-            return -offset.astype(np.float64) + pos / (pos.max(initial=0) + 1.0)
+            return _span_head(pos, all_classes)
         return pos.astype(np.float64)
+
+
+def _span_head(pos: np.ndarray, all_classes: np.ndarray) -> np.ndarray:
+    """The span-head worth of ``pos``: a smaller offset in its span persists first; among equal
+    offsets, the newer span."""
+    return -span_offsets(all_classes)[pos].astype(np.float64) + pos / (pos.max(initial=0) + 1.0)
 
 
 def relevance_priority(relevance: np.ndarray, classes: np.ndarray) -> np.ndarray:
