@@ -323,5 +323,10 @@ class Context:
         """Upstream llama_memory_seq_rm: drop positions [p0, p1) of seq_id (p1 < 0: to the end)."""
         return bool(_raw().llama_memory_seq_rm(self.memory, seq_id, p0, p1))
 
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Upstream llama_memory_seq_cp of the whole sequence ``src`` to ``dst`` (across streams: the
+        K/V data is copied by the next decode, before its graph runs)."""
+        _raw().llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
     def clear(self) -> None:
         _raw().llama_memory_clear(self.memory, True)

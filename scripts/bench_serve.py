@@ -295,7 +295,8 @@ def main() -> int:
                         "slots": pool["slots"], "kv_bytes": pool["kv_bytes"], "slot_bytes": pool["slot_bytes"],
                         "peak_rss_bytes": peak, "host_share": pool["host_share"],
                         "tokens_per_step": pool["tokens_per_step"],
-                        "reused_prompt_tokens": pool["reused_prompt_tokens"], "levels": lv})
+                        "reused_prompt_tokens": pool["reused_prompt_tokens"],
+                        "shared_prompt_tokens": pool.get("shared_prompt_tokens", 0), "levels": lv})
     rat = ratios(results)
     label = "timing-only (synthetic weights)" if args.synthetic else "real weights"
     out = {"model": gguf.name, "weights": label, "kv_mem_mib": kv_mem, "slot_len": args.slot_len,

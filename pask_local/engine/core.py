@@ -130,6 +130,7 @@ class SlotSpec:
     kv_type: str = "f16"    # the pool's K/V element type
     probe: AttentionProbe | None = None  # the shared context's probe (pool, shared prefill): its owner resets and frees it
     compact: bool = False   # after the prefill, gather the sequence's held cells at its stream's lowest indices
+    reuse_source: str = ""  # where the reused prefix came from: "cache" (a finished request), "running" (copied)
 
 
 @dataclass
@@ -712,6 +713,7 @@ class _Run:
             "kv_type": self.slot.kv_type if self.slot is not None else self.cfg.kv_type,
             "slot_clamped_layers": self.clamped,  # layers whose prompt capacity a pool slot cut
             "prefix_reused": self.slot.reuse if self.slot is not None else 0,  # prompt tokens not prefilled
+            "prefix_source": self.slot.reuse_source if self.slot is not None else "",
             "max_over_budget_entries": int(worst_over),
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),

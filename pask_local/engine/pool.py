@@ -138,6 +138,7 @@ class SlotPool:
         # longer holds the window a new request at the shared prefix's end needs
         self.reuse_limit = window if swa and window > 0 else None
         self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
+        self.shared_tokens = 0                          # of those, copied from a running request's stream
         n_batch = layout.slots * chunk
         flash_attn = flash_attn or layout.kv_type != "f16"  # a quantized V cache needs flash attention
         kv = kv_type_id(layout.kv_type)
@@ -274,19 +275,26 @@ class SlotPool:
                 "slot_bytes": self.slot_bytes, "capacity_per_layer": lay.capacities, "steps": self.steps,
                 "tokens_per_step": self.step_tokens / self.steps if self.steps else 0.0,
                 "max_prompt_tokens_per_step": self.max_prompt_step,
-                "reused_prompt_tokens": self.reused_tokens, "decode_s": self.step_s, "host_s": self.host_s,
+                "reused_prompt_tokens": self.reused_tokens,
+                "shared_prompt_tokens": self.shared_tokens, "decode_s": self.step_s, "host_s": self.host_s,
                 "host_share": self.host_s / (self.host_s + self.step_s) if self.step_s else 0.0}
 
     # ---------------------------------------------------------- the loop
     def _admit(self) -> None:
+        deferred: deque[_Request] = deque()
         while self._waiting and self._free:
             req = self._waiting.popleft()
             if req.cancelled():
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
-            seq, reuse = self._pick_slot(req.prepared.plan.prompt.tokens)
+            choice = self._pick_slot(req.prepared.plan.prompt.tokens)
+            if choice is None:  # a running request is still prefilling the prefix it shares: wait for it
+                deferred.append(req)
+                continue
+            seq, reuse, shared = choice
             spec = SlotSpec(self.ctx, seq, self.layout.capacities, self.slot_bytes, self.flash_attn, reuse,
-                            self.layout.kv_type, compact=True, probe=self.probe)
+                            self.layout.kv_type, compact=True, probe=self.probe,
+                            reuse_source="running" if shared else ("cache" if reuse else ""))
             try:
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
             except BaseException as exc:
@@ -295,27 +303,67 @@ class SlotPool:
                 req.future.set_exception(exc)
                 continue
             self.reused_tokens += reuse
+            self.shared_tokens += reuse if shared else 0
             req.seq = seq
             req.chunks = req.run.prefill_bounds()
             req.admitted_at = time.perf_counter()
             self._active.append(req)
+        self._waiting.extendleft(reversed(deferred))
 
-    def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
-        """A free sequence for a prompt, and how many of its first tokens that stream already holds."""
+    def _reusable(self, held_len: int) -> bool:
+        """A stream that held ``held_len`` positions still has the window a prefix's end needs."""
+        return self.reuse_limit is None or held_len <= self.reuse_limit
+
+    def _running_source(self, tokens: list[int]) -> tuple[_Request | None, int]:
+        """The running request whose prompt shares the longest prefix with ``tokens``, and its length."""
+        best, best_n = None, 0
+        if not self.prefix_cache:
+            return best, best_n
+        for r in self._active:
+            if r.cancelled() or not self._reusable(r.run.n_seq):
+                continue
+            n = common_prefix(list(r.run.prompt.tokens), tokens)
+            if n > best_n and self._reusable(n):
+                best, best_n = r, n
+        return best, best_n
+
+    def _pick_slot(self, tokens: list[int]) -> tuple[int, int, bool] | None:
+        """A free sequence for a prompt, how many of its first tokens it holds, and whether they were
+        copied from a running request; None: wait, a running request is still prefilling that prefix.
+
+        The prefix comes from the free stream that holds the longest one (a finished request's), or, if
+        a running request shares a longer one, from that request's stream: copied whole into the free
+        stream, then cut at the shared length (what the running request's method kept of it so far)."""
+        want = tokens[:-1]  # the last prompt token is always decoded (its logits)
         best, best_n = -1, 0
         for seq in self._free:
             held = self._held_tokens.get(seq)
-            if not held or (self.reuse_limit is not None and len(held) > self.reuse_limit):
+            if not held or not self._reusable(len(held)):
                 continue
-            n = common_prefix(held, tokens[:-1])  # the last prompt token is always decoded (its logits)
+            n = common_prefix(held, want)
             if n > best_n:
                 best, best_n = seq, n
-        if best_n < self.min_reuse:
+        src, src_n = self._running_source(want)
+        shared = src is not None and src_n >= self.min_reuse and src_n > best_n
+        if shared:
+            assert src is not None
+            # wait until the source decoded the shared prefix, and a step since its admission (a
+            # stream copy is carried out by the next decode: the source's own must be done)
+            if src.next_chunk == 0 or src.run.n_seq < src_n:
+                return None
+            # a free stream that holds no cached prefix, else the lowest
+            best = min(self._free, key=lambda s: (s in self._held_tokens, s))
+            best_n = src_n
+        elif best_n < self.min_reuse:
             best, best_n = min(self._free), 0
         self._free.remove(best)
         self._held_tokens.pop(best, None)
+        if shared:
+            assert src is not None
+            self.ctx.seq_rm(best, -1, -1)
+            self.ctx.seq_cp(src.seq, best)  # the data moves at the next decode, before its graph runs
         self.ctx.seq_rm(best, best_n, -1)  # the rest of the earlier request (all of it without reuse)
-        return best, best_n
+        return best, best_n, shared
 
     def _release(self, req: _Request, result: EngineResult | None = None, exc: BaseException | None = None) -> None:
         self._active.remove(req)

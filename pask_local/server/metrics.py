@@ -73,6 +73,11 @@ class Metrics:
                   registry=r).set_function(lambda: pool.stats()["tokens_per_step"])
             Gauge("pask_batch_host_share", "Share of the step loop's time outside llama_decode (sampling, "
                   "grammar, tagging, eviction).", registry=r).set_function(lambda: pool.stats()["host_share"])
+            Gauge("pask_prefix_reused_tokens", "Prompt tokens not prefilled: their K/V came from a finished "
+                  "request's stream (the prefix cache) or was copied from a running request's.",
+                  registry=r).set_function(lambda: pool.reused_tokens)
+            Gauge("pask_prefix_shared_tokens", "Of those, prompt tokens copied from a running request's stream.",
+                  registry=r).set_function(lambda: pool.shared_tokens)
 
     def request(self, status: int) -> None:
         self.requests.labels(status=str(status)).inc()
