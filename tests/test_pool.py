@@ -185,8 +185,7 @@ def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
     pool = SlotPool(model, lay)
     try:
         q = user_message(ask("Paris"))
-        for method, budget, needle in [("snapkv", 0.33, "prefills the whole prompt"), ("full", 1.0, "--method full"),
-                                       ("pask-prior", 0.5, "above this pool")]:
+        for method, budget, needle in [("full", 1.0, "--method full"), ("pask-prior", 0.5, "above this pool")]:
             e = engine(model, method, budget)
             with pytest.raises(PaskError, match=needle):
                 pool.submit(e, e.prepare(q, WEATHER, "required"))
@@ -195,6 +194,19 @@ def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
             pool.submit(e, e.prepare(q, WEATHER, "required"))
         with pytest.raises(PaskError, match="holds no slot"):
             SlotPool.layout_for(model, make_method("full", model), 1.0, 2048, kv_mem=1 << 20)
+    finally:
+        pool.close()
+    # a method that prefills the whole prompt first needs the whole prompt to fit a slot's cells
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.1, 2048, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        filler = " ".join(f"Note {i}: the office plant needs water on day {i}." for i in range(45))
+        e = engine(model, "snapkv", 0.1)
+        p = e.prepare(user_message(filler + " " + ask("Paris")), WEATHER, "required")
+        assert p.n_prompt > pool.whole_prompt_room == 512
+        with pytest.raises(PaskError, match="prefills the whole prompt before it compresses: a slot of this pool "
+                                            "holds 512 prompt tokens at once"):
+            pool.submit(e, p)
     finally:
         pool.close()
 

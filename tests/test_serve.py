@@ -417,27 +417,23 @@ def test_method_override_in_the_pask_field(client) -> None:
 
 
 def test_attention_methods_batched_and_unbatched(server, client) -> None:
-    """H2O reads attention every step: batched, from its own stream's in-graph statistics; SnapKV
-    prefills the whole prompt before compressing: only unbatched (a batched slot holds the budget)."""
-    batched = _http(server + "/health").json()["batch"]
-    h2o = client.chat.completions.create(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
-                                         parallel_tool_calls=False, max_tokens=96,
-                                         extra_body={"pask": {"method": "h2o", "budget": 0.2}})
-    _check_call(h2o.choices[0].message.tool_calls[0], ("get_weather",))
-    ext = h2o.model_extra["pask"]
-    assert ext["method"] == "h2o" and ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
-    kwargs = dict(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
-                  parallel_tool_calls=False, max_tokens=96, extra_body={"pask": {"method": "snapkv", "budget": 0.2}})
-    if batched:
+    """H2O reads attention every step, SnapKV the window of the whole prompt before it compresses:
+    both are served batched (each slot's statistics from its own stream) and unbatched."""
+    for method in ("h2o", "snapkv"):
+        r = client.chat.completions.create(model=MODEL_ID, messages=USER, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=96,
+                                           extra_body={"pask": {"method": method, "budget": 0.2}})
+        _check_call(r.choices[0].message.tool_calls[0], ("get_weather",))
+        ext = r.model_extra["pask"]
+        assert ext["method"] == method and ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
+    if _http(server + "/health").json()["batch"]:
+        # batched, SnapKV's whole prompt must fit a slot's cells (0.33 x 2048 + a chunk, rounded: 768)
+        long_user = [{"role": "user", "content": "Weather in Oslo? " + "Please answer soon. " * 250}]
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(**kwargs)
-        assert info.value.status_code == 400 and "--no-batch" in info.value.message
-        _served(client)
-        return
-    r = client.chat.completions.create(**kwargs)
-    _check_call(r.choices[0].message.tool_calls[0], ("get_weather",))
-    ext = r.model_extra["pask"]
-    assert ext["method"] == "snapkv" and ext["kv_entries_held"] < 0.5 * ext["kv_entries_full"]
+            client.chat.completions.create(model=MODEL_ID, messages=long_user, tools=[WEATHER], max_tokens=8,
+                                           extra_body={"pask": {"method": "snapkv"}})
+        assert info.value.status_code == 400 and "holds 768 prompt tokens at once" in info.value.message
+    _served(client)
 
 
 def test_batched_pool_reports_its_memory(server) -> None:
@@ -576,7 +572,6 @@ def _serve(*args: str, **kw: Any) -> subprocess.Popen:
     (["--kv-mem", "-1"], "--kv-mem must be >= 0"),
     (["--kv-mem", "64", "--no-batch"], "--kv-mem sizes the batched pool"),
     (["--prefill-tokens", "-1"], "--prefill-tokens must be >= 0"),
-    (["--method", "snapkv"], "cannot run batched; start with --no-batch"),
     (["--kv-mem", "1"], "holds no slot"),
     (["--kv-type", "q9"], "unknown --kv-type"),
     (["--gguf", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),

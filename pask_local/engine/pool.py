@@ -27,11 +27,12 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..attention import LAST, SUM, AttentionProbe
+from ..attention import LAST, SUM, WINDOW, AttentionProbe
 from ..errors import NativeError, PaskError
 from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, ContextConfig, Model
@@ -46,7 +47,6 @@ from .core import (
     TokenHook,
     kv_type_id,
     round_up,
-    slot_ready,
 )
 
 
@@ -97,6 +97,7 @@ class _Request:
     prepared: Prepared
     on_token: TokenHook | None
     cancelled: Callable[[], bool]
+    trace: Any = None          # a JSONL trace path for this request (as ``pask-local run --trace``)
     future: Future[EngineResult] = field(default_factory=Future)
     run: Any = None            # the engine's run once admitted
     seq: int = -1
@@ -152,11 +153,16 @@ class SlotPool:
         else:
             self.ctx = LayeredContext(model, layout.capacities, cfg, unified=False)
             self.kv_bytes = self.ctx.kv_bytes()
-            # H2O and TOVA read attention every step: the decode graph computes it per stream (one per
-            # slot), only in steps where a running request reads it
-            self.probe = AttentionProbe(model.n_layer)
-            self.probe.attach(self.ctx, (SUM, LAST), max(layout.capacities))
+            # H2O and TOVA read attention every step, SnapKV-like methods the window of their prompt's
+            # last chunk: the decode graph computes it per stream (one per slot), only in steps where a
+            # running request reads it
+            self.probe = AttentionProbe(model.n_layer, EngineConfig.probe_window)
+            self.probe.attach(self.ctx, (SUM, WINDOW, LAST), max(layout.capacities))
             self.probe.set_enabled(False)
+        swa_set = set(swa) if window > 0 else set()
+        # a method that compresses after a whole prefill holds the whole prompt in its slot until then
+        self.whole_prompt_room = min((c for il, c in enumerate(layout.capacities) if il not in swa_set),
+                                     default=min(layout.capacities))
         self.slot_bytes = self.kv_bytes // layout.slots
         self._free = list(range(layout.slots))
         self._waiting: deque[_Request] = deque()
@@ -222,10 +228,6 @@ class SlotPool:
     def check(self, engine: Engine, prepared: Prepared) -> None:
         """Raise ``PaskError`` if the request cannot run in this pool (before it waits for a slot)."""
         method, lay = engine.method, self.layout
-        if not slot_ready(method):
-            raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: the "
-                            f"batched pool's slots hold only the budget (it serves full, pask, pask-prior, "
-                            f"streaming, h2o, tova); start the server with --no-batch to use it")
         if method.keeps_all != lay.full:
             raise PaskError(f"this pool's slots hold {'full KV' if lay.full else f'budget {lay.budget}'}: "
                             f"method '{method.name}' needs a server started with --method {method.name}")
@@ -233,16 +235,26 @@ class SlotPool:
             raise PaskError(f"this pool's KV cache is {lay.kv_type}, the request's {engine.cfg.kv_type}")
         if not method.keeps_all and engine.cfg.budget > lay.budget + 1e-9:
             raise PaskError(f"budget {engine.cfg.budget} is above this pool's {lay.budget}")
+        if method.compress_after_prefill and not method.keeps_all:
+            if prepared.n_prompt > self.whole_prompt_room:
+                raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: a slot "
+                                f"of this pool holds {self.whole_prompt_room} prompt tokens at once, the prompt has "
+                                f"{prepared.n_prompt} (use a method that compresses while it reads, such as pask, "
+                                f"or a server started with --no-batch)")
+            if self.probe is None or engine.cfg.probe_window != EngineConfig.probe_window:
+                raise PaskError(f"this pool's observation window is {EngineConfig.probe_window} tokens, the "
+                                f"request's {engine.cfg.probe_window}")
         need = prepared.n_prompt + engine.cfg.max_tokens
         if need > lay.slot_len:
             raise PaskError(f"prompt ({prepared.n_prompt} tokens) + max_tokens ({engine.cfg.max_tokens}) exceed "
                             f"a slot's {lay.slot_len} tokens")
 
     def submit(self, engine: Engine, prepared: Prepared, on_token: TokenHook | None = None,
-               cancelled: Callable[[], bool] = lambda: False) -> Future[EngineResult]:
-        """Queue a prepared request; its future holds the result (or the error)."""
+               cancelled: Callable[[], bool] = lambda: False, trace: str | Path | None = None) -> Future[EngineResult]:
+        """Queue a prepared request; its future holds the result (or the error). ``trace``: a JSONL
+        trace of the request, as ``pask-local run --trace`` writes."""
         self.check(engine, prepared)
-        req = _Request(engine, prepared, on_token, cancelled)
+        req = _Request(engine, prepared, on_token, cancelled, trace=trace)
         with self._cond:
             if self._closed:
                 raise PoolClosed("the pool is shutting down")
@@ -287,7 +299,9 @@ class SlotPool:
             if req.cancelled():
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
-            choice = self._pick_slot(req.prepared.plan.prompt.tokens)
+            method = req.engine.method
+            choice = self._pick_slot(req.prepared.plan.prompt.tokens,
+                                     whole=method.compress_after_prefill and not method.keeps_all)
             if choice is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
@@ -296,7 +310,7 @@ class SlotPool:
                             self.layout.kv_type, compact=True, probe=self.probe,
                             reuse_source="running" if shared else ("cache" if reuse else ""))
             try:
-                req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token)
+                req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token, trace=req.trace)
             except BaseException as exc:
                 self.ctx.seq_rm(seq, -1, -1)
                 self._free.append(seq)
@@ -314,26 +328,43 @@ class SlotPool:
         """A stream that held ``held_len`` positions still has the window a prefix's end needs."""
         return self.reuse_limit is None or held_len <= self.reuse_limit
 
-    def _running_source(self, tokens: list[int]) -> tuple[_Request | None, int]:
-        """The running request whose prompt shares the longest prefix with ``tokens``, and its length."""
+    def _running_source(self, tokens: list[int], whole: bool) -> tuple[_Request | None, int]:
+        """The running request whose prompt shares the longest prefix with ``tokens``, and its length.
+        ``whole``: only one whose stream keeps its prompt whole while it reads it."""
         best, best_n = None, 0
         if not self.prefix_cache:
             return best, best_n
         for r in self._active:
             if r.cancelled() or not self._reusable(r.run.n_seq):
                 continue
+            if whole and not (r.run.full or r.run.method.compress_after_prefill):
+                continue
             n = common_prefix(list(r.run.prompt.tokens), tokens)
             if n > best_n and self._reusable(n):
                 best, best_n = r, n
         return best, best_n
 
-    def _pick_slot(self, tokens: list[int]) -> tuple[int, int, bool] | None:
+    def _holds_whole(self, seq: int, n: int) -> bool:
+        """Every layer of ``seq``'s stream holds each of the positions < n it can attend (a
+        sliding-window layer: those inside its window)."""
+        if self.layout.full:
+            return True
+        swa, window = swa_layers(self.model)
+        for il in range(self.model.n_layer):
+            lo = max(0, n - window) if (il in swa and window > 0) else 0
+            held = np.asarray(self.ctx.positions(il, seq), dtype=np.int64)
+            if int(np.count_nonzero((held >= lo) & (held < n))) != n - lo:
+                return False
+        return True
+
+    def _pick_slot(self, tokens: list[int], whole: bool = False) -> tuple[int, int, bool] | None:
         """A free sequence for a prompt, how many of its first tokens it holds, and whether they were
         copied from a running request; None: wait, a running request is still prefilling that prefix.
 
         The prefix comes from the free stream that holds the longest one (a finished request's), or, if
         a running request shares a longer one, from that request's stream: copied whole into the free
-        stream, then cut at the shared length (what the running request's method kept of it so far)."""
+        stream, then cut at the shared length (what the running request's method kept of it so far).
+        ``whole`` (a method that compresses after a whole prefill): only a prefix held whole."""
         want = tokens[:-1]  # the last prompt token is always decoded (its logits)
         best, best_n = -1, 0
         for seq in self._free:
@@ -341,9 +372,9 @@ class SlotPool:
             if not held or not self._reusable(len(held)):
                 continue
             n = common_prefix(held, want)
-            if n > best_n:
+            if n > best_n and (not whole or self._holds_whole(seq, n)):
                 best, best_n = seq, n
-        src, src_n = self._running_source(want)
+        src, src_n = self._running_source(want, whole)
         shared = src is not None and src_n >= self.min_reuse and src_n > best_n
         if shared:
             assert src is not None
@@ -351,6 +382,9 @@ class SlotPool:
             # stream copy is carried out by the next decode: the source's own must be done)
             if src.next_chunk == 0 or src.run.n_seq < src_n:
                 return None
+            shared = not whole or self._holds_whole(src.seq, src_n)  # it may have compressed since
+        if shared:
+            assert src is not None
             # a free stream that holds no cached prefix, else the lowest
             best = min(self._free, key=lambda s: (s in self._held_tokens, s))
             best_n = src_n
@@ -418,7 +452,11 @@ class SlotPool:
         prefilling = sorted((r for r in self._active if r.prefilling), key=lambda r: r.admitted_at)
         room = self.prefill_tokens or len(prefilling) * self.chunk
         fed: set[int] = set()
-        for r in prefilling:
+        # a request whose observation window is its prompt's last chunk gets a step of its own: upstream
+        # splits a batch into ubatches of equal tokens per sequence, and the window statistic counts
+        # the last queries of each ubatch, so the chunk must be one ubatch
+        solo = next((r for r in prefilling if self._reads_window_now(r)), None)
+        for r in prefilling if solo is None else [solo]:
             a, b = r.chunks[r.next_chunk]
             if fed and b - a > room:
                 break
@@ -433,6 +471,8 @@ class SlotPool:
                     self._release(req)
                 continue
             run = req.run
+            if solo is not None and req is not solo:
+                continue
             if req.prefilling:
                 if id(req) not in fed:  # waits for a later step's prefill room
                     continue
@@ -454,7 +494,7 @@ class SlotPool:
             return
         self.max_prompt_step = max(self.max_prompt_step, n_prompt_toks)
         if self.probe is not None:  # statistics only in steps that a running request reads
-            scoring = any(req.run.needs_attn for req, _ in rows)
+            scoring = any(req.run.scores_each_decode or self._reads_window_now(req) for req, _ in rows)
             self.probe.set_enabled(scoring)
             if scoring:
                 self.probe.reset()
@@ -475,6 +515,13 @@ class SlotPool:
             except BaseException as exc:
                 self._release(req, exc=exc)
         self.host_s += (t1 - t0) + (time.perf_counter() - t2)
+
+    @staticmethod
+    def _reads_window_now(req: _Request) -> bool:
+        """The request's next chunk is its prompt's last and its method reads that chunk's window."""
+        run = req.run
+        return (run.needs_attn and run.method.compress_after_prefill and req.prefilling
+                and req.next_chunk == len(req.chunks) - 1)
 
     def _advance(self, req: _Request, row: int) -> None:
         run = req.run

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..engine import Engine, EngineConfig, EngineResult, make_method
-from ..engine.core import Prepared, slot_ready
+from ..engine.core import Prepared
 from ..engine.factory import DEFAULT_POLICY_METHODS
 from ..engine.pool import PoolLayout, SlotPool
 from ..errors import ContextLengthError, PaskError
@@ -109,9 +109,6 @@ class Server:
         self.pool: SlotPool | None = None
         slots = config.slots
         if config.batch:
-            if not slot_ready(method):
-                raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: it "
-                                f"cannot run batched; start with --no-batch")
             layout = self.pool_layout(method)
             self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens,
                                  prefix_cache=config.prefix_cache)
