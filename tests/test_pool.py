@@ -150,6 +150,29 @@ def test_prefill_room_per_step_is_held(model):
     assert pool.stats()["max_prompt_tokens_per_step"] > 64  # without the room, chunks of all three
 
 
+def test_the_prompt_closest_to_done_gets_the_prefill_room_first(model):
+    """One step carries at most 64 prompt tokens: a short prompt admitted after a long one is read
+    first (least prompt left), so its first token comes before the long one's."""
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 1024, slots=2)
+    pool = SlotPool(model, lay, start=False, prefill_tokens=64, prefix_cache=False)
+    order: list[str] = []
+    try:
+        filler = " ".join(f"Note {i}: the office plant needs water on day {i}." for i in range(30))
+        futures = []
+        for name, q in (("long", filler + " " + ask("Paris")), ("short", ask("Rome"))):
+            e = engine(model, "pask-prior", 0.33)
+            futures.append(pool.submit(e, e.prepare(user_message(q), WEATHER, "required"),
+                                       on_token=lambda _t, n=name: order.append(n)))
+        pool.start()
+        long_r, short_r = (f.result(timeout=300) for f in futures)
+    finally:
+        pool.close()
+    assert short_r.ok, short_r.text  # (the base model may ramble on the long one: only its order matters)
+    assert long_r.stats["n_gen"] > 0
+    assert long_r.stats["n_prompt"] > short_r.stats["n_prompt"] + 128
+    assert order[0] == "short"
+
+
 def test_stop_from_the_token_hook_frees_the_slot(model):
     lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=1)
     pool = SlotPool(model, lay)

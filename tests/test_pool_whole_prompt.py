@@ -115,3 +115,18 @@ def test_every_statistic_for_many_slots_fits_the_decode_graph(model, tmp_path):
     for r in results:
         assert r.ok and r.calls[0]["name"] == "get_weather", r.text
         assert r.stats["max_over_budget_entries"] <= 0
+
+
+def test_a_whole_prompt_method_shares_a_prefix_its_source_still_holds_whole(model, tmp_path):
+    """Two SnapKV requests with one tool list: the second copies the first's stream while the first
+    is still reading (the shared part ends before its last chunk, so nothing is compressed yet)."""
+    tail = (" Also tell me whether I need an umbrella, a coat or sunglasses for a long walk by the river,"
+            " and whether the wind will be strong enough in the afternoon to make cycling home unpleasant.") * 2
+    qs = [("snapkv", ask("Paris") + tail), ("snapkv", ask("Rome") + tail + " Thanks.")]
+    results, _, pool = in_pool(model, qs, tmp_path, slots=2)
+    assert [r.stats["prefix_source"] for r in results] == ["", "running"]
+    assert pool.stats()["shared_prompt_tokens"] == results[1].stats["prefix_reused"] >= 32
+    for r in results:  # (the base model may ramble on these longer prompts: validity is not the point)
+        assert r.stats["n_gen"] > 0 and r.stats["max_over_budget_entries"] <= 0
+        assert r.stats["budget_used_after_prefill"] <= 0.33 + 0.01
+    assert compression(tmp_path / "pool-1.jsonl")  # it compressed the whole prompt itself

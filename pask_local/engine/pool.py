@@ -7,9 +7,9 @@ layers at most their window + a chunk). ``SlotPool.for_kv_memory`` derives the s
 memory size, so that at equal memory a budget of 0.33 gets about three times the slots of Full KV.
 
 One thread runs the step loop. Each step is one ``llama_decode`` that holds the next token of every
-decoding sequence and the next prompt chunk of every sequence still prefilling, in sequence-id
-order (upstream splits a multi-stream batch into ubatches of consecutive sequences, so a request
-takes the lowest free id). After it, each sequence's own run (``Engine.start_in_slot``: its
+decoding sequence and the next prompt chunk of the sequences still prefilling (those with the
+least prompt left first, within ``prefill_tokens``), in sequence-id order (upstream splits a
+multi-stream batch into ubatches of consecutive sequences, so a request takes the lowest free id). After it, each sequence's own run (``Engine.start_in_slot``: its
 method, its native persistence step on its sequence id, its grammar) evicts and chooses its next
 token from its own logits row. ``execute`` blocks its caller until the request is answered; a
 request waits for a free slot in arrival order; one whose ``cancelled`` turns true (a client that
@@ -120,7 +120,7 @@ class SlotPool:
                  prefix_cache: bool = True, min_reuse: int = 32) -> None:
         """``start=False``: requests queue until ``start()`` (all admitted together: reproducible batches).
 
-        ``prefill_tokens``: prompt tokens one step may carry (the oldest prefilling requests first, at
+        ``prefill_tokens``: prompt tokens one step may carry (the prefilling requests with the least prompt left first, at
         least one chunk), which bounds how much a prefill slows the decoding slots; 0: a chunk for
         every prefilling request. ``prefix_cache``: a finished request's stream keeps its KV; a new
         request whose prompt starts with at least ``min_reuse`` of the same tokens takes that slot and
@@ -376,6 +376,8 @@ class SlotPool:
                 best, best_n = seq, n
         src, src_n = self._running_source(want, whole)
         shared = src is not None and src_n >= self.min_reuse and src_n > best_n
+        if shared and whole and src is not None and not src.run.full and src_n > src.chunks[-1][0]:
+            shared = False  # the source compresses in the chunk that completes the shared part
         if shared:
             assert src is not None
             # wait until the source decoded the shared prefix, and a step since its admission (a
@@ -449,7 +451,10 @@ class SlotPool:
         want: list[bool] = []
         rows: list[tuple[_Request, int]] = []   # (request, its logits row or -1)
         n_prompt_toks = 0
-        prefilling = sorted((r for r in self._active if r.prefilling), key=lambda r: r.admitted_at)
+        # the least prompt left first (then the oldest): a request that starts from a reused prefix
+        # is not held behind a long prefill for the prefill room of many steps
+        prefilling = sorted((r for r in self._active if r.prefilling),
+                            key=lambda r: (r.run.n_prompt - r.chunks[r.next_chunk][0], r.admitted_at))
         room = self.prefill_tokens or len(prefilling) * self.chunk
         fed: set[int] = set()
         # a request whose observation window is its prompt's last chunk gets a step of its own: upstream
