@@ -72,3 +72,9 @@ def evictions(trace) -> dict[tuple[int, int, str], set[int]]:
         if rec["type"] == "evict":
             out[(rec["step"], rec["layer"], rec["rule"])] |= set(rec["positions"])
     return dict(out)
+
+
+def compression(trace) -> dict[int, list[int]]:
+    """A trace's one-time compression after the prompt: layer -> the positions its scores evicted."""
+    return {layer: sorted(pos) for (step, layer, rule), pos in evictions(trace).items()
+            if step == -1 and rule == "score"}

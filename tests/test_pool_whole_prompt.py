@@ -9,10 +9,9 @@ every layer evicts right after the prompt: the trace's step -1 records), with it
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
+from conftest import compression
 from test_pool import CITIES, WEATHER, ask, engine, same_length_cities
 
 from pask_local.chat.messages import user_message
@@ -28,15 +27,6 @@ SLOT_LEN = 1024  # a slot's cells (0.33 x 1024 + a chunk, rounded to 512) hold t
 @pytest.fixture(scope="module")
 def model(gemma_path) -> Model:
     return Model(gemma_path)
-
-
-def compression(trace) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for line in trace.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["type"] == "evict" and rec["step"] == -1 and rec["rule"] == "score":
-            out.setdefault(rec["layer"], []).extend(rec["positions"])
-    return {k: sorted(v) for k, v in out.items()}
 
 
 def alone(model, method, question, trace):

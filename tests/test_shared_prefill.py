@@ -8,11 +8,9 @@ evicts alone. (Full KV shares the compressing methods' chunk cut, which alone it
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, compression
 from test_pool import Recorder
 
 from pask_local.chat.messages import user_message
@@ -37,15 +35,6 @@ def model(gemma_path) -> Model:
 def engine(model, method, budget, log):
     return Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=64),
                   decoder_factory=lambda m, p, s: Recorder(m, p, log))
-
-
-def compression(trace) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for line in trace.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["type"] == "evict" and rec["step"] == -1 and rec["rule"] == "score":
-            out.setdefault(rec["layer"], []).extend(rec["positions"])
-    return {k: sorted(v) for k, v in out.items()}
 
 
 def test_shared_prefill_gives_each_method_its_own_start(model, tmp_path):
