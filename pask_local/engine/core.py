@@ -243,10 +243,10 @@ class Engine:
         return run
 
 
-def slot_ready(method: Method) -> bool:
-    """Whether ``method`` can run in a pool slot (whose cells are sized from the budget): no whole-prompt
-    prefill. Attention statistics come from the pool's probe, one stream per slot (patch 0007)."""
-    return method.keeps_all or not method.compress_after_prefill
+def prefills_whole(method: Method) -> bool:
+    """Whether ``method`` holds the whole prompt before it compresses it (SnapKV-like): in a pool slot
+    the prompt must fit the slot's cells, and the window statistic comes from the pool's probe."""
+    return method.compress_after_prefill and not method.keeps_all
 
 
 def round_up(n: int, align: int = EngineConfig.cell_align) -> int:
@@ -294,7 +294,7 @@ class _Run:
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
-        if slot is not None and slot.probe is None and (self.needs_attn or not slot_ready(self.method)):
+        if slot is not None and slot.probe is None and (self.needs_attn or prefills_whole(self.method)):
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it needs a slot with an attention probe")
         if slot is not None:

@@ -9,9 +9,9 @@ memory size, so that at equal memory a budget of 0.33 gets about three times the
 One thread runs the step loop. Each step is one ``llama_decode`` that holds the next token of every
 decoding sequence and the next prompt chunk of the sequences still prefilling (those with the
 least prompt left first, within ``prefill_tokens``), in sequence-id order (upstream splits a
-multi-stream batch into ubatches of consecutive sequences, so a request takes the lowest free id). After it, each sequence's own run (``Engine.start_in_slot``: its
-method, its native persistence step on its sequence id, its grammar) evicts and chooses its next
-token from its own logits row. ``execute`` blocks its caller until the request is answered; a
+multi-stream batch into ubatches of consecutive sequences, so a request takes the lowest free id).
+After it, each sequence's own run (``Engine.start_in_slot``: its method, its native persistence
+step on its sequence id, its grammar) evicts and chooses its next token from its own logits row. ``execute`` blocks its caller until the request is answered; a
 request waits for a free slot in arrival order; one whose ``cancelled`` turns true (a client that
 went away: checked every step, prefill included) or whose token hook asks to stop frees its slot
 at the next step. A failed decode fails the requests in that batch and clears their sequences;
@@ -46,6 +46,7 @@ from .core import (
     SlotSpec,
     TokenHook,
     kv_type_id,
+    prefills_whole,
     round_up,
 )
 
@@ -97,7 +98,7 @@ class _Request:
     prepared: Prepared
     on_token: TokenHook | None
     cancelled: Callable[[], bool]
-    trace: Any = None          # a JSONL trace path for this request (as ``pask-local run --trace``)
+    trace: str | Path | None = None  # a JSONL trace path for this request (as ``pask-local run --trace``)
     future: Future[EngineResult] = field(default_factory=Future)
     run: Any = None            # the engine's run once admitted
     seq: int = -1
@@ -120,9 +121,9 @@ class SlotPool:
                  prefix_cache: bool = True, min_reuse: int = 32) -> None:
         """``start=False``: requests queue until ``start()`` (all admitted together: reproducible batches).
 
-        ``prefill_tokens``: prompt tokens one step may carry (the prefilling requests with the least prompt left first, at
-        least one chunk), which bounds how much a prefill slows the decoding slots; 0: a chunk for
-        every prefilling request. ``prefix_cache``: a finished request's stream keeps its KV; a new
+        ``prefill_tokens``: prompt tokens one step may carry (the prefilling requests with the least
+        prompt left first, at least one chunk), which bounds how much a prefill slows the decoding
+        slots; 0: a chunk for every prefilling request. ``prefix_cache``: a finished request's stream keeps its KV; a new
         request whose prompt starts with at least ``min_reuse`` of the same tokens takes that slot and
         prefills only the rest (what the earlier request's method kept of the prefix is what it gets)."""
         if layout.slots < 1:
@@ -135,9 +136,11 @@ class SlotPool:
         self.min_reuse = max(1, min_reuse)
         self._held_tokens: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
         swa, window = swa_layers(model)
+        self._swa = set(swa) if window > 0 else set()  # sliding-window layers
+        self._window = window
         # a sliding-window layer drops positions that left its window: a stream that ran past it no
         # longer holds the window a new request at the shared prefix's end needs
-        self.reuse_limit = window if swa and window > 0 else None
+        self.reuse_limit = window if self._swa else None
         self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
         self.shared_tokens = 0                          # of those, copied from a running request's stream
         n_batch = layout.slots * chunk
@@ -159,9 +162,8 @@ class SlotPool:
             self.probe = AttentionProbe(model.n_layer, EngineConfig.probe_window)
             self.probe.attach(self.ctx, (SUM, WINDOW, LAST), max(layout.capacities))
             self.probe.set_enabled(False)
-        swa_set = set(swa) if window > 0 else set()
         # a method that compresses after a whole prefill holds the whole prompt in its slot until then
-        self.whole_prompt_room = min((c for il, c in enumerate(layout.capacities) if il not in swa_set),
+        self.whole_prompt_room = min((c for il, c in enumerate(layout.capacities) if il not in self._swa),
                                      default=min(layout.capacities))
         self.slot_bytes = self.kv_bytes // layout.slots
         self._free = list(range(layout.slots))
@@ -235,13 +237,13 @@ class SlotPool:
             raise PaskError(f"this pool's KV cache is {lay.kv_type}, the request's {engine.cfg.kv_type}")
         if not method.keeps_all and engine.cfg.budget > lay.budget + 1e-9:
             raise PaskError(f"budget {engine.cfg.budget} is above this pool's {lay.budget}")
-        if method.compress_after_prefill and not method.keeps_all:
+        if prefills_whole(method):
             if prepared.n_prompt > self.whole_prompt_room:
                 raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: a slot "
                                 f"of this pool holds {self.whole_prompt_room} prompt tokens at once, the prompt has "
                                 f"{prepared.n_prompt} (use a method that compresses while it reads, such as pask, "
                                 f"or a server started with --no-batch)")
-            if self.probe is None or engine.cfg.probe_window != EngineConfig.probe_window:
+            if engine.cfg.probe_window != EngineConfig.probe_window:
                 raise PaskError(f"this pool's observation window is {EngineConfig.probe_window} tokens, the "
                                 f"request's {engine.cfg.probe_window}")
         need = prepared.n_prompt + engine.cfg.max_tokens
@@ -299,9 +301,7 @@ class SlotPool:
             if req.cancelled():
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
-            method = req.engine.method
-            choice = self._pick_slot(req.prepared.plan.prompt.tokens,
-                                     whole=method.compress_after_prefill and not method.keeps_all)
+            choice = self._pick_slot(req.prepared.plan.prompt.tokens, whole=prefills_whole(req.engine.method))
             if choice is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
@@ -330,7 +330,8 @@ class SlotPool:
 
     def _running_source(self, tokens: list[int], whole: bool) -> tuple[_Request | None, int]:
         """The running request whose prompt shares the longest prefix with ``tokens``, and its length.
-        ``whole``: only one whose stream keeps its prompt whole while it reads it."""
+        ``whole``: only one whose stream still holds that prefix whole when it has read it (Full KV, or
+        a whole-prompt method whose last chunk, where it compresses, starts after the prefix)."""
         best, best_n = None, 0
         if not self.prefix_cache:
             return best, best_n
@@ -340,6 +341,8 @@ class SlotPool:
             if whole and not (r.run.full or r.run.method.compress_after_prefill):
                 continue
             n = common_prefix(list(r.run.prompt.tokens), tokens)
+            if whole and not r.run.full and n > r.chunks[-1][0]:
+                continue
             if n > best_n and self._reusable(n):
                 best, best_n = r, n
         return best, best_n
@@ -349,9 +352,8 @@ class SlotPool:
         sliding-window layer: those inside its window)."""
         if self.layout.full:
             return True
-        swa, window = swa_layers(self.model)
         for il in range(self.model.n_layer):
-            lo = max(0, n - window) if (il in swa and window > 0) else 0
+            lo = max(0, n - self._window) if il in self._swa else 0
             held = np.asarray(self.ctx.positions(il, seq), dtype=np.int64)
             if int(np.count_nonzero((held >= lo) & (held < n))) != n - lo:
                 return False
@@ -375,18 +377,15 @@ class SlotPool:
             if n > best_n and (not whole or self._holds_whole(seq, n)):
                 best, best_n = seq, n
         src, src_n = self._running_source(want, whole)
-        shared = src is not None and src_n >= self.min_reuse and src_n > best_n
-        if shared and whole and src is not None and not src.run.full and src_n > src.chunks[-1][0]:
-            shared = False  # the source compresses in the chunk that completes the shared part
-        if shared:
-            assert src is not None
+        copy_from = -1  # the running request's sequence whose stream is copied
+        if src is not None and src_n >= self.min_reuse and src_n > best_n:
             # wait until the source decoded the shared prefix, and a step since its admission (a
             # stream copy is carried out by the next decode: the source's own must be done)
             if src.next_chunk == 0 or src.run.n_seq < src_n:
                 return None
-            shared = not whole or self._holds_whole(src.seq, src_n)  # it may have compressed since
-        if shared:
-            assert src is not None
+            if not whole or self._holds_whole(src.seq, src_n):  # (a whole-prompt source may have compressed)
+                copy_from = src.seq
+        if copy_from >= 0:
             # a free stream that holds no cached prefix, else the lowest
             best = min(self._free, key=lambda s: (s in self._held_tokens, s))
             best_n = src_n
@@ -394,12 +393,11 @@ class SlotPool:
             best, best_n = min(self._free), 0
         self._free.remove(best)
         self._held_tokens.pop(best, None)
-        if shared:
-            assert src is not None
+        if copy_from >= 0:
             self.ctx.seq_rm(best, -1, -1)
-            self.ctx.seq_cp(src.seq, best)  # the data moves at the next decode, before its graph runs
+            self.ctx.seq_cp(copy_from, best)  # the data moves at the next decode, before its graph runs
         self.ctx.seq_rm(best, best_n, -1)  # the rest of the earlier request (all of it without reuse)
-        return best, best_n, shared
+        return best, best_n, copy_from >= 0
 
     def _release(self, req: _Request, result: EngineResult | None = None, exc: BaseException | None = None) -> None:
         self._active.remove(req)
