@@ -52,11 +52,14 @@ def calib_cases(categories: list[str] | None) -> list:
 
 
 def _settings(model_sha: str, groups: list[list[int]], chunk: int, dtype: str, use_examples: bool,
-              style: str = "plain") -> dict[str, Any]:
+              style: str = "plain", signal: str = "reference", keep: float = 0.0) -> dict[str, Any]:
     out = {"cache_version": CACHE_VERSION, "model_sha256": model_sha, "groups": groups, "chunk": chunk,
            "dtype": dtype, "examples": use_examples}
     if style != "plain":  # caches written before the native protocol are plain ones
         out["prompt_style"] = style
+    if signal != "reference":  # caches written before the native signal are reference ones
+        out.update(signal=signal, keep=keep)
+        del out["chunk"], out["dtype"]  # one prefill chunk, llama.cpp's own numerics
     return out
 
 
@@ -123,6 +126,12 @@ def calibrate_command(
     tau_lo: Annotated[float, typer.Option("--tau-lo", help="dNLL for a half floor")] = FitRule.tau_lo,
     floor_cap: Annotated[float, typer.Option("--floor-cap", help="max expected KV share of floors")] = FitRule.floor_cap,
     min_weight: Annotated[float, typer.Option("--min-weight", help="smallest residual weight")] = FitRule.min_weight,
+    signal: Annotated[str, typer.Option("--signal", help="reference: the torch reference, the engine's chunked "
+                                        "prefill (slow: a forward per cell); native: llama.cpp itself, one prefill "
+                                        "per case, the eviction seen by the continuation only, as a method that "
+                                        "compresses after reading the prompt (calibration/native_signals.py)")] = "reference",
+    keep: Annotated[float, typer.Option("--keep", help="native signal: the share of each span of a class kept "
+                                        "when it is evicted (the budget-aware signal; 0: the whole class)")] = 0.0,
     quiet: Annotated[bool, typer.Option("--quiet", help="no progress or tables")] = False,
 ) -> Policy:
     """Measure calibration signals on BFCL's calib split and write a calibrated policy (resumable).
@@ -143,6 +152,7 @@ def calibrate_command(
     from pask_local.models import file_sha256, resolve_model
 
     from .cases import CaseSkipped, build_case
+    from .native_signals import measure_case_native, n_native_cells
     from .reference import ReferenceModel
     from .signals import measure_case, measure_joint, n_cells, n_joint_cells
 
@@ -161,6 +171,12 @@ def calibrate_command(
     if out.parent and not out.parent.exists():
         raise CalibrationError(f"output directory does not exist: {out.parent}")
     rule.check()
+    if signal not in ("reference", "native"):
+        raise CalibrationError(f"--signal must be reference or native, got {signal!r}")
+    if not 0.0 <= keep < 1.0:
+        raise CalibrationError(f"--keep must be in [0, 1), got {keep}")
+    if keep and signal != "native":
+        raise CalibrationError("--keep needs --signal native")
     if prompt_style not in ENGINE_STYLES:
         raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
@@ -174,7 +190,7 @@ def calibrate_command(
     style = "native" if resolve_style(model, ENGINE_STYLES[prompt_style])[1] is not None else "plain"
     sha = file_sha256(path)
     layer_groups = contiguous_groups(model.n_layer, groups)
-    settings = _settings(sha, layer_groups, chunk, dtype, use_examples, style)
+    settings = _settings(sha, layer_groups, chunk, dtype, use_examples, style, signal, keep)
     done = read_cache(cache, settings)
     measured = [c for c in pool if c.id in done and "cells" in done[c.id]]
     t0 = time.monotonic()
@@ -198,13 +214,17 @@ def calibrate_command(
             except CaseSkipped as exc:
                 rec["skipped"] = str(exc)
             else:
-                if ref is None:
-                    progress.update(task, description="loading the torch reference")
-                    ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
                 progress.update(task, description=f"{case.id} ({len(tc.tokens)} tokens)")
-                sig = measure_case(ref, tc, layer_groups, chunk=chunk,
-                                   on_cell=_ticker(progress, task, case.id, n_cells(tc, len(layer_groups))))
-                rec.update(sig.to_json())
+                if signal == "native":
+                    tick = _ticker(progress, task, case.id, n_native_cells(tc, len(layer_groups)))
+                    rec.update(measure_case_native(model, tc, layer_groups, keep, on_cell=tick))
+                else:
+                    if ref is None:
+                        progress.update(task, description="loading the torch reference")
+                        ref = ReferenceModel.from_gguf(path, dtype=dtypes[dtype], device="cpu")
+                    sig = measure_case(ref, tc, layer_groups, chunk=chunk,
+                                       on_cell=_ticker(progress, task, case.id, n_cells(tc, len(layer_groups))))
+                    rec.update(sig.to_json())
                 progress.advance(task)
             _append(cache, rec)
             done[case.id] = rec
@@ -235,13 +255,19 @@ def calibrate_command(
         "chunk": chunk, "reference_dtype": dtype, "few_shot_examples": use_examples, "max_tokens": max_tokens,
         "prompt_style": style,
         "command": (f"pask-local calibrate --gguf {path.name} --categories {','.join(dict.fromkeys(c.category for c in pool))} "
-                    f"--cases {cases} --groups {groups} --max-tokens {max_tokens} --prompt-style {style}"),
+                    f"--cases {cases} --groups {groups} --max-tokens {max_tokens} --prompt-style {style}"
+                    + (f" --signal native --keep {keep:g}" if signal == "native" else "")),
     }
+    if signal == "native":
+        provenance.update(signal="native (llama.cpp, one prefill per case; calibration/native_signals.py)",
+                          keep=keep)
+        del provenance["chunk"], provenance["reference_dtype"]
     policy = fit_policy(records, layer_groups, rule, provenance)
     policy.save(out)
     measured, fitted = summary_rows(policy)
-    for title, rows in ((f"measured on {len(records)} calib case(s): dNLL (nats/token) / distortion per "
-                         "evicted token", measured), ("policy: floor / weight", fitted)):
+    per_token = "dNLL per evicted token" if signal == "native" else "distortion per evicted token"
+    for title, rows in ((f"measured on {len(records)} calib case(s): dNLL (nats/token) / {per_token}", measured),
+                        ("policy: floor / weight", fitted)):
         table = Table(title=title)
         table.add_column("class")
         for g, layers in enumerate(layer_groups):

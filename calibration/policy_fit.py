@@ -18,7 +18,9 @@ per unit of KV mass it protects steps down one level (1.0 -> 0.5 -> 0): protecti
 the groups where losing the class hurts least. Every step is listed in the provenance.
 Weights (attention-output distortion): weight = mean distortion per evicted token / the largest
 such mean over all cells, at least ``min_weight``; a class never seen in calibration gets
-``min_weight`` in every group. The engine's compile step then water-fills the budget left after
+``min_weight`` in every group. Records of the native signal (``native_signals``: llama.cpp does not
+expose the attention outputs there) carry no distortion; their cells weigh by the NLL increase per
+evicted token instead (negative increases count as 0), ``provenance["weight_signal"]`` says which. The engine's compile step then water-fills the budget left after
 the floors by these weights (``pask_local.policy.compile``).
 """
 
@@ -70,6 +72,14 @@ class Cell:
     n_cases: int
 
 
+def weight_signal(cell: dict[str, Any]) -> float:
+    """A cell's weight signal: its distortion per evicted token, or (native records, no distortion)
+    its NLL increase per evicted token, at least 0."""
+    if cell.get("distortion") is not None:
+        return float(cell["distortion"])
+    return max(0.0, float(cell["dnll"])) / max(1, int(cell.get("n_evicted") or 1))
+
+
 def summarise(records: Sequence[dict[str, Any]], n_groups: int) -> dict[tuple[int, StructuralClass], Cell]:
     """(group, class) -> Cell over the records where the class was measured."""
     acc: dict[tuple[int, StructuralClass], tuple[list[float], list[float]]] = {}
@@ -81,7 +91,7 @@ def summarise(records: Sequence[dict[str, Any]], n_groups: int) -> dict[tuple[in
             key = (g, StructuralClass(cell["class"]))
             d, x = acc.setdefault(key, ([], []))
             d.append(float(cell["dnll"]))
-            x.append(float(cell["distortion"]))
+            x.append(weight_signal(cell))
     return {key: _cell(d, x) for key, (d, x) in acc.items()}
 
 
@@ -92,7 +102,7 @@ def summarise_joint(records: Sequence[dict[str, Any]]) -> dict[StructuralClass, 
         for cell in rec.get("joint") or []:
             d, x = acc.setdefault(StructuralClass(cell["class"]), ([], []))
             d.append(float(cell["dnll"]))
-            x.append(float(cell["distortion"]))
+            x.append(weight_signal(cell))
     return {c: _cell(d, x) for c, (d, x) in acc.items()}
 
 
@@ -186,6 +196,8 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
     prov["floor_mass"] = round(floor_mass(floors, groups, shares), 4)
     prov["floor_cap_demotions"] = demoted
     prov["floor_signal"] = "joint" if joint else "per-group"
+    native = any(c.get("distortion") is None for rec in records for c in rec["cells"])
+    prov["weight_signal"] = "dnll per evicted token" if native else "attention-output distortion per evicted token"
     prov["joint_measurements"] = [
         {"class": c.value, "dnll_mean": round(jc.dnll, 5), "dnll_sem": _r(jc.dnll_sem), "n_cases": jc.n_cases}
         for c, jc in sorted(joint.items(), key=lambda kv: list(StructuralClass).index(kv[0]))]

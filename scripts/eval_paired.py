@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
+
+from pask_local.eval.paired import sign_test
 
 
 def parse_label(label: str) -> tuple[str, str]:
@@ -28,16 +29,6 @@ def parse_label(label: str) -> tuple[str, str]:
         method, budget = label.split("@", 1)
         return method, f"{float(budget):g}"
     return label, "full"
-
-
-def sign_test(wins: int, losses: int) -> float:
-    """Exact two-sided binomial p-value for wins vs losses under p = 1/2 (ties dropped)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    k = min(wins, losses)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
 
 
 def load(out: Path) -> dict[tuple[str, str, str], dict]:

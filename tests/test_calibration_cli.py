@@ -10,6 +10,7 @@ import pytest
 from pask_local.calibration.cli import CalibrationError, calib_cases, calibrate_command
 from pask_local.calibration.synthetic import write_synthetic_gguf
 
+from pask_local.classes import StructuralClass
 from pask_local.errors import PaskError
 from pask_local.eval.split import split_of
 from pask_local.policy.schema import Policy
@@ -80,6 +81,9 @@ def test_calibrate_writes_a_policy_and_resumes_from_its_cache(synth, tmp_path):
     ({"categories": ["nope"]}, "unknown category"),
     ({"out_name": "policy.txt"}, ".json"),
     ({"dtype": "float64"}, "--dtype"),
+    ({"signal": "torch"}, "--signal"),
+    ({"keep": 0.2}, "--keep needs --signal native"),
+    ({"signal": "native", "keep": 1.0}, "--keep must be in"),
 ])
 def test_bad_input_is_a_one_line_error(synth, tmp_path, kwargs, match):
     out = tmp_path / kwargs.pop("out_name", "p.json")
@@ -122,3 +126,24 @@ def test_calibrate_runs_on_other_attention_architectures(tmp_path, arch):
     meas = pol.provenance["measurements"]
     assert meas and {m["group"] for m in meas} == {0, 1}
     assert all(np.isfinite(m["dnll_mean"]) for m in meas)
+
+
+def test_native_signal_writes_a_policy_weighted_by_dnll_and_keeps_its_own_cache(synth, tmp_path):
+    out = tmp_path / "native.json"
+    pol = run(synth, out, 1, signal="native", keep=0.25)
+    (rec,) = measured_lines(tmp_path / "native.cases.jsonl")
+    assert rec["signal"] == "native" and rec["keep"] == 0.25
+    assert rec["settings"]["signal"] == "native" and "chunk" not in rec["settings"]
+    assert rec["cells"] and all(c["distortion"] is None for c in rec["cells"])
+    assert not any(c["class"].startswith("gen_") for c in rec["cells"])  # the call is kept by the engine
+    assert pol.provenance["weight_signal"] == "dnll per evicted token" and pol.provenance["keep"] == 0.25
+    assert "--signal native --keep 0.25" in pol.provenance["command"]
+    # the weights follow the NLL increase per evicted token (at least min_weight)
+    per_token = {(c["group"], c["class"]): max(0.0, c["dnll"]) / c["n_evicted"] for c in rec["cells"]}
+    top = max(per_token.values())
+    for (g, name), v in per_token.items():
+        if top > 0:
+            assert pol.weights[g][StructuralClass(name)] == pytest.approx(max(0.02, v / top), abs=1e-4)
+    # a reference-signal run may not reuse the native cache
+    with pytest.raises(CalibrationError, match="other settings"):
+        run(synth, out, 1)

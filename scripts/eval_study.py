@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""The whole method study in N processes of one thread each, resumable, then one merged table.
+
+The (method, budget) runs are split into jobs, each a ``pask-local eval`` process with its own
+output directory under OUT (``OUT/<job>``):
+
+- one job for every method that prefills the whole prompt before it compresses (SnapKV, PyramidKV,
+  pask-hybrid, pask-attn: one prefill per case shared by all of them at every budget);
+- one job per other (method, budget), Full KV included (a method that evicts while it reads the
+  prompt needs a prefill of its own).
+
+``--jobs N`` workers take the jobs in that order (the shared job first: it is the longest). A job's
+directory resumes an interrupted run, so rerunning the same command continues the study, and a
+larger ``--limit`` adds cases. At the end the records are merged (``pask_local.eval.study``) on the
+cases every run holds: ``OUT/study.json``, ``OUT/study.md``, ``OUT/study.png``.
+
+    .venv/bin/python scripts/eval_study.py --model qwen2.5-coder-1.5b --limit 5 --jobs 2 \\
+        --methods full,streaming,h2o,snapkv,pyramidkv,tova,pask-prior,pask-hybrid --budgets 0.33,0.2,0.1 \\
+        --out results/study -- --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pask_local.errors import PaskError
+from pask_local.eval.study import build_study, load_dirs, markdown, plot
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    methods: tuple[str, ...]
+    budgets: tuple[str, ...]
+
+
+def plan_jobs(model_path: Path, methods: list[str], budgets: list[str]) -> list[Job]:
+    """Jobs in the order workers take them: the shared-prefill job first, then one per run."""
+    from pask_local.engine import make_method
+    from pask_local.engine.shared import shares_prefill
+    from pask_local.llm import Model
+    from pask_local.methods import METHOD_NAMES
+
+    unknown = [m for m in methods if m not in METHOD_NAMES]
+    if unknown:
+        raise PaskError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(METHOD_NAMES)})")
+    model = Model(model_path)
+    try:
+        kinds = {m: make_method(m, model) for m in dict.fromkeys(methods)}
+    finally:
+        model.close()
+    shared = tuple(m for m, k in kinds.items() if shares_prefill(k) and not k.keeps_all)
+    jobs = [Job("shared", shared, tuple(budgets))] if len(shared) * len(budgets) > 1 else []
+    for m, k in kinds.items():
+        if k.keeps_all:
+            jobs.append(Job(m, (m,), ("1",)))
+        elif not (jobs and jobs[0].name == "shared" and m in shared):
+            jobs += [Job(f"{m}-{b}", (m,), (b,)) for b in budgets]
+    return jobs
+
+
+def _records(d: Path) -> int:
+    try:
+        with open(d / "cases.jsonl", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def run_jobs(jobs: list[Job], base_args: list[str], out: Path, n_workers: int) -> list[tuple[Job, int]]:
+    """Run every job with ``n_workers`` one-thread processes; the exit status of each job."""
+    todo: queue.Queue[Job] = queue.Queue()
+    for j in jobs:
+        todo.put(j)
+    results: list[tuple[Job, int]] = []
+    lock = threading.Lock()
+    env = {**os.environ, "PASK_THREADS": "1"}
+
+    def worker() -> None:
+        while True:
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            d = out / job.name
+            d.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "pask_local.cli", "eval", *base_args, "--methods", ",".join(job.methods),
+                   "--budgets", ",".join(job.budgets), "--out", str(d)]
+            t0 = time.time()
+            with open(d / "log.txt", "a", encoding="utf-8") as log:
+                log.write(f"$ {' '.join(cmd)}\n")
+                log.flush()
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            with lock:
+                results.append((job, rc))
+                status = "done" if rc == 0 else f"FAILED (exit {rc}; see {d / 'log.txt'})"
+                print(f"[study] {job.name}: {status} in {time.time() - t0:.0f} s, {_records(d)} records",
+                      file=sys.stderr, flush=True)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, n_workers))]
+    for t in threads:
+        t.start()
+    t0 = time.time()
+    while any(t.is_alive() for t in threads):
+        time.sleep(2)
+        if time.time() - t0 >= 60:
+            t0 = time.time()
+            counts = ", ".join(f"{j.name} {_records(out / j.name)}" for j in jobs if (out / j.name).is_dir())
+            print(f"[study] records so far: {counts}", file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a named model (pask-local models)")
+    ap.add_argument("--gguf", default=None, help="a GGUF path")
+    ap.add_argument("--methods", required=True)
+    ap.add_argument("--budgets", default="0.33")
+    ap.add_argument("--limit", type=int, default=None, help="cases per category (first N of the split)")
+    ap.add_argument("--split", default="eval")
+    ap.add_argument("--categories", default=None)
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes, one thread each")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("extra", nargs="*", help="after --: more pask-local eval options, e.g. --max-tokens 128")
+    args = ap.parse_args(argv)
+    try:
+        from pask_local.eval.runner import parse_budgets
+        from pask_local.models import resolve_model
+
+        path = resolve_model(args.gguf, args.model)
+        budgets = [f"{b:g}" for b in parse_budgets(args.budgets)]
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if args.jobs < 1:
+            raise PaskError(f"--jobs must be >= 1, got {args.jobs}")
+        jobs = plan_jobs(path, methods, budgets)
+        base = ["--gguf", str(path), "--split", args.split, *args.extra]
+        if args.limit is not None:
+            base += ["--limit", str(args.limit)]
+        if args.categories:
+            base += ["--categories", args.categories]
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"[study] {len(jobs)} job(s) on {args.jobs} worker(s): " + ", ".join(j.name for j in jobs),
+              file=sys.stderr, flush=True)
+        t0 = time.time()
+        try:
+            results = run_jobs(jobs, base, args.out, args.jobs)
+        except KeyboardInterrupt:
+            print("interrupted: rerun the same command to resume", file=sys.stderr)
+            return 130
+        failed = [j.name for j, rc in results if rc != 0]
+        _, records = load_dirs([args.out / j.name for j in jobs])
+        study = build_study(records)
+    except (PaskError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    study["wall_seconds"] = round(time.time() - t0, 1)
+    study["jobs"] = [{"name": j.name, "methods": list(j.methods), "budgets": list(j.budgets)} for j in jobs]
+    table = markdown(study)
+    (args.out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    (args.out / "study.md").write_text(table)
+    plot(study, args.out / "study.png")
+    print(table, end="")
+    if failed:
+        print(f"error: job(s) {', '.join(failed)} failed (their log.txt says why); rerun to resume", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""pask_local.eval.study and scripts/eval_table.py: merged directories, common cases, best baseline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pask_local.eval.paired import pair, sign_test
+from pask_local.eval.study import StudyError, build_study, load_dirs, markdown
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_table.py"
+MANIFEST = {"model": "m.gguf", "split": "eval", "max_tokens": 128, "share_prefill": True}
+
+
+def _rec(case: str, cat: str, method: str, budget: float | None, valid: bool, output: str = "o") -> dict:
+    return {"id": case, "category": cat, "method": method, "budget": budget, "valid": valid,
+            "output": output, "seconds": 2.0, "stats": {"budget_used_final": budget}}
+
+
+def _write(d: Path, recs: list[dict], manifest: dict | None = None) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "run.json").write_text(json.dumps(manifest or MANIFEST))
+    (d / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"id": "cut sh')
+    return d
+
+
+def _table(tmp_path: Path) -> tuple[Path, Path]:
+    """Two directories: full/snapkv/pask in one, streaming in the other; case c5 lacks streaming."""
+    a, b = [], []
+    for i in range(6):
+        cat = "simple" if i < 3 else "multiple"
+        a.append(_rec(f"c{i}", cat, "full", None, True, f"f{i}"))
+        a.append(_rec(f"c{i}", cat, "snapkv", 0.2, i in (0, 1, 3), f"f{i}" if i < 2 else "s"))
+        a.append(_rec(f"c{i}", cat, "pask-prior", 0.2, i in (0, 1, 2, 3, 4)))
+        if i < 5:
+            b.append(_rec(f"c{i}", cat, "streaming", 0.2, i in (0, 3, 4)))
+    return _write(tmp_path / "a", a), _write(tmp_path / "b", b)
+
+
+def test_merged_study_keeps_common_cases_and_pairs_with_the_best_baseline(tmp_path):
+    manifest, records = load_dirs(list(_table(tmp_path)))
+    assert manifest == {k: v for k, v in MANIFEST.items() if k != "share_prefill"}
+    st = build_study(records)
+    assert st["n_cases"] == 5 and st["cases_left_out"] == 1
+    assert st["cases_per_category"] == {"multiple": 2, "simple": 3}
+    rows = {r["label"]: r for r in st["runs"]}
+    # per-category mean: snapkv simple 2/3, multiple 1/2; streaming simple 1/3, multiple 2/2
+    assert rows["snapkv@0.2"]["accuracy"] == pytest.approx((2 / 3 + 1 / 2) / 2)
+    assert rows["streaming@0.2"]["accuracy"] == pytest.approx((1 / 3 + 1) / 2)
+    assert rows["pask-prior@0.2"]["retention"] == pytest.approx(1.0)
+    assert rows["snapkv@0.2"]["same_as_full"] == pytest.approx(2 / 5)
+    (b,) = st["budgets"]
+    # streaming (0.667) beats snapkv (0.583) on these cases: it is the best baseline
+    assert b["best_baseline"] == "streaming"
+    (v,) = b["pask_vs_best"]
+    # pask-prior right on c0-c4; streaming wrong on c1, c2
+    assert (v["method"], v["wins"], v["losses"], v["n"]) == ("pask-prior", 2, 0, 5)
+    assert v["points"] == pytest.approx(100 * (1 - (1 / 3 + 1) / 2), abs=0.01)
+    md = markdown(st)
+    assert "| 0.2 | streaming | pask-prior | +33.3 | 2/0 |" in md
+
+
+def test_a_run_subset_changes_the_common_cases(tmp_path):
+    _, records = load_dirs(list(_table(tmp_path)))
+    st = build_study(records, [("full", "full"), ("snapkv", "0.2"), ("pask-prior", "0.2")])
+    assert st["n_cases"] == 6 and st["budgets"][0]["best_baseline"] == "snapkv"
+    with pytest.raises(StudyError, match="no records for tova@0.2"):
+        build_study(records, [("tova", "0.2")])
+
+
+def test_directories_with_other_settings_are_refused(tmp_path):
+    a, _ = _table(tmp_path)
+    other = _write(tmp_path / "c", [_rec("c0", "simple", "h2o", 0.2, True)], {**MANIFEST, "max_tokens": 256})
+    with pytest.raises(StudyError, match="other settings.*max_tokens"):
+        load_dirs([a, other])
+    clash = _write(tmp_path / "d", [_rec("c0", "simple", "full", None, True, "another output")])
+    with pytest.raises(StudyError, match="disagree on full@full for case c0"):
+        load_dirs([a, clash])
+
+
+def test_pair_and_sign_test():
+    a = [{"id": str(i), "valid": i < 4, "output": "x"} for i in range(6)]
+    b = [{"id": str(i), "valid": i >= 3, "output": "x" if i == 0 else "y"} for i in range(6)]
+    p = pair(a, b)
+    assert (p.wins, p.losses, p.same_output) == (3, 2, 1)
+    assert p.p == pytest.approx(sign_test(3, 2)) == pytest.approx(1.0)
+    assert sign_test(0, 6) == pytest.approx(2 / 64)
+    with pytest.raises(ValueError):
+        pair(a, b[::-1])
+
+
+def test_script_writes_json_table_and_plot(tmp_path):
+    a, b = _table(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(SCRIPT), str(a), str(b), "--json", str(out / "t.json"),
+                        "--md", str(out / "t.md"), "--png", str(out / "t.png")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    st = json.loads((out / "t.json").read_text())
+    assert st["n_cases"] == 5 and st["settings"]["max_tokens"] == 128
+    assert (out / "t.md").read_text() == r.stdout
+    assert (out / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args", [["/nonexistent"], ["{a}", "--runs", "snapkv@x"]])
+def test_script_bad_input_is_one_line(tmp_path, args):
+    a, _ = _table(tmp_path)
+    r = subprocess.run([sys.executable, str(SCRIPT), *[s.format(a=a) for s in args]], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
