@@ -122,3 +122,32 @@ def test_smoke_eval_one_baseline(tmp_path, gemma_path):
     assert all(r["budget"] == 0.5 and r["error_type"] != "generation_error" for r in streaming), streaming
     row = next(r for r in summary["runs"] if r["method"] == "streaming")
     assert row["n"] == len(cases)
+
+
+def test_policy_file_runs_pask_with_that_policy_and_is_pinned(tmp_path, gemma_path, cli):
+    from pask_local.policy.handwritten import handwritten_policy
+
+    # the hand-written prior as a file: pask with it must do exactly what pask-prior does, while pask
+    # without it runs the embedded model's calibrated policy (another compression)
+    prior = tmp_path / "prior.json"
+    handwritten_policy(18).save(prior)
+    args = ["eval", "--categories", "simple_python", "--limit", "2", "--max-tokens", "24",
+            "--methods", "pask,pask-prior", "--budgets", "0.3"]
+    with_file, default = tmp_path / "with", tmp_path / "default"
+    assert cli(*args, "--policy", str(prior), "--out", str(with_file)).returncode == 0
+    assert cli(*args, "--out", str(default)).returncode == 0
+
+    def held(out, method):
+        return [(r["id"], r["output"], r["stats"]["held_per_group"]) for r in _records(out) if r["method"] == method]
+
+    assert held(with_file, "pask") == held(with_file, "pask-prior")
+    assert held(default, "pask") != held(default, "pask-prior")
+    run = json.loads((with_file / "run.json").read_text())
+    assert run["policy"]["file"] == "prior.json" and len(run["policy"]["sha256"]) == 64
+    # the directory belongs to its policy: reusing it without (or with another) is refused in one line
+    r = cli(*args, "--out", str(with_file))
+    assert r.returncode != 0 and "different settings (policy)" in r.stderr
+    bad = cli(*args, "--policy", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "policy file not found" in bad.stderr
+    only = cli("eval", "--methods", "snapkv", "--policy", str(prior), "--out", str(tmp_path / "y"))
+    assert only.returncode != 0 and "none of them is in --methods" in only.stderr

@@ -17,6 +17,8 @@ from ..policy.shipped import resolve_default_policy
 PASK_VARIANTS = ("pask", "pask-prior", "pask-attn", "pask-hybrid", "pask-tools")
 # the methods that run the model's default (resolved) policy when none is given
 DEFAULT_POLICY_METHODS = ("pask", "pask-attn", "pask-tools")
+# the methods that take a policy file (--policy)
+POLICY_METHODS = ("pask", "pask-attn", "pask-hybrid", "pask-tools")
 
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,

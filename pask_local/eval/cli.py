@@ -75,6 +75,9 @@ def eval_command(
                                                 "prefills the whole prompt before compressing (snapkv, "
                                                 "pyramidkv, pask-attn, any budget) share one prefill per case "
                                                 "and decode together.")] = True,
+    policy: Annotated[Path | None, typer.Option("--policy", help="A policy file (pask-local calibrate) for pask, "
+                                                "pask-attn, pask-hybrid and pask-tools; the other methods run "
+                                                "as always. Default: the model's own policy.")] = None,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -102,11 +105,20 @@ def eval_command(
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
     check_device_options(0, hysteresis, kv_type)
+    if policy is not None:
+        from ..engine.factory import POLICY_METHODS
+        from ..policy.schema import Policy
+
+        if not policy.is_file():
+            raise PaskError(f"policy file not found: {policy}")
+        Policy.load(policy)  # a one-line error for a file that is not a policy
+        if not any(m in POLICY_METHODS for m in method_list):
+            raise PaskError(f"--policy applies to {', '.join(POLICY_METHODS)}; none of them is in --methods")
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis,
-                     compact=compact, kv_type=kv_type, share_prefill=share_prefill)
+                     compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

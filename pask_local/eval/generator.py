@@ -67,6 +67,14 @@ class GeneratorSpec:
     hysteresis: float = 0.02       # EngineConfig.hysteresis (the native step's batched eviction)
     compact: bool = True           # EngineConfig.compact (gather kept cells after a one-time compression)
     kv_type: str = "f16"           # EngineConfig.kv_type (K/V element type; quantized: flash attention)
+    policy: Path | None = None     # a policy file for the methods that take one (engine POLICY_METHODS)
+
+    def method(self, name: str, model: Any) -> Any:
+        """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""
+        from ..engine import make_method
+        from ..engine.factory import POLICY_METHODS
+
+        return make_method(name, model, self.policy if name in POLICY_METHODS else None)
 
     def engine_config(self, budget: float) -> Any:
         """The ``EngineConfig`` a method runs this spec with (budget, limit, prompt style, hysteresis)."""
@@ -189,7 +197,7 @@ class EngineGenerator:
     """A KV-budget method (baseline or PASK) run through ``pask_local.engine.Engine``."""
 
     def __init__(self, method: str, spec: GeneratorSpec) -> None:
-        from ..engine import Engine, make_method
+        from ..engine import Engine
         from ..llm import Model
 
         if spec.budget is None:
@@ -198,7 +206,7 @@ class EngineGenerator:
         self.budget = spec.budget
         self.spec = spec
         self.model = Model(spec.gguf)
-        self.engine = Engine(self.model, make_method(method, self.model), spec.engine_config(spec.budget))
+        self.engine = Engine(self.model, spec.method(method, self.model), spec.engine_config(spec.budget))
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens}
@@ -240,7 +248,7 @@ class SharedPrefillGenerator:
     divided by the runs that shared it (its ``prefill_seconds`` is the shared prefill's)."""
 
     def __init__(self, runs: list[Run], spec: GeneratorSpec) -> None:
-        from ..engine import Engine, make_method
+        from ..engine import Engine
         from ..engine.shared import shares_prefill
         from ..llm import Model
 
@@ -250,7 +258,7 @@ class SharedPrefillGenerator:
         for method, budget in runs:
             if budget is None:
                 continue
-            m = make_method(method, self.model)
+            m = spec.method(method, self.model)
             if shares_prefill(m) and not m.keeps_all:
                 self.engines[(method, budget)] = Engine(self.model, m, spec.engine_config(budget))
         self.runs = list(self.engines)

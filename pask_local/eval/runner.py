@@ -58,6 +58,7 @@ class EvalConfig:
     kv_type: str = "f16"        # EngineConfig.kv_type of every method (and of Full KV)
     share_prefill: bool = True  # compress-after-prefill runs share one prefill per case (engine.shared)
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
+    policy: Path | None = None  # a policy file for pask, pask-attn, pask-hybrid, pask-tools (default: the model's)
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
 
 
@@ -131,7 +132,17 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
         "hysteresis": cfg.hysteresis, "compact": cfg.compact, "kv_type": cfg.kv_type,
         "share_prefill": cfg.share_prefill,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
+        "policy": _policy_id(cfg.policy),
     }
+
+
+def _policy_id(path: Path | None) -> dict[str, str] | None:
+    """What a run's policy file is recorded as: its name and sha256 (None: the models' own)."""
+    if path is None:
+        return None
+    from ..models import file_sha256
+
+    return {"file": path.name, "sha256": file_sha256(path)}
 
 
 def _record(case: Case, gen: Generator, out: Any) -> dict[str, Any]:
@@ -163,7 +174,7 @@ GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 def _spec(cfg: EvalConfig, budget: float | None) -> GeneratorSpec:
     return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
-                         kv_type=cfg.kv_type)
+                         kv_type=cfg.kv_type, policy=cfg.policy)
 
 
 def _run_shared(cfg: EvalConfig, cases: list[Case], pending: dict, store: ResultStore, progress: Any,

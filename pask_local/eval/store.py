@@ -17,6 +17,8 @@ from ..errors import PaskError
 
 CASES_FILE = "cases.jsonl"
 RUN_FILE = "run.json"
+# settings added after run.json files were written: missing in an old one means None (the default)
+LATER_KEYS = ("policy",)
 
 
 def budget_key(budget: float | None) -> str:
@@ -57,7 +59,7 @@ class ResultStore:
                 old = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 raise PaskError(f"{path} is unreadable; use another --out directory") from None
-            diff = [k for k in manifest if k in old and old[k] != manifest[k]]
+            diff = [k for k in manifest if (k in old or k in LATER_KEYS) and old.get(k) != manifest[k]]
             if diff:
                 raise PaskError(f"{self.dir} holds results made with different settings ({', '.join(diff)}); "
                                 "use another --out directory")

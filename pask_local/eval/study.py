@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import PaskError
 from ..methods import BASELINES
 from .paired import pair
-from .store import CASES_FILE, RUN_FILE, budget_key
+from .store import CASES_FILE, LATER_KEYS, RUN_FILE, budget_key
 
 # settings that change how a run is scheduled, not what it generates (engine/shared.py keeps the
 # outputs of a shared prefill equal to a separate one's)
@@ -58,7 +58,7 @@ def load_dirs(dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[Key, dict[str,
     merged: dict[Key, dict[str, Any]] = {}
     for d in dirs:
         m, recs = _read_dir(Path(d))
-        m = {k: v for k, v in m.items() if k not in SCHEDULING_KEYS}
+        m = {**dict.fromkeys(LATER_KEYS), **{k: v for k, v in m.items() if k not in SCHEDULING_KEYS}}
         if manifest is None:
             manifest = m
         else:
