@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import PaskError
 from ..methods import BASELINES
+from .data import CATEGORIES
 from .paired import pair
 from .store import CASES_FILE, LATER_KEYS, RUN_FILE, budget_key
 
@@ -103,7 +104,8 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
     if not ids:
         raise StudyError("the runs have no case in common")
     cat_of = {i: records[(i, *runs[0])]["category"] for i in ids}
-    categories = list(dict.fromkeys(sorted(cat_of.values())))
+    known = list(CATEGORIES)  # BFCL's order, then any other category by name
+    categories = sorted(set(cat_of.values()), key=lambda c: (known.index(c) if c in known else len(known), c))
 
     def row(method: str, bkey: str) -> dict[str, Any]:
         recs = [records[(i, method, bkey)] for i in ids]
