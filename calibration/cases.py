@@ -109,7 +109,9 @@ def tag_continuation(model: Model, plan: Any, text: str) -> tuple[list[int], lis
                 classes.append(tagger.accept(tok, model.piece(tok)))
             except NativeError:
                 raise CaseSkipped(f"the grammar rejects the gold call at token {len(classes)}") from None
-        if not state.is_done():
+        # can_end, not is_done: a parallel native grammar (block (sep block)*) may always take one
+        # more block, so it never reaches a state where it cannot continue; generation ends it at EOG
+        if not state.can_end():
             raise CaseSkipped("the gold call does not complete the grammar")
     finally:
         state.close()

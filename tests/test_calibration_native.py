@@ -39,3 +39,14 @@ def test_native_case_is_the_eval_prompt_and_the_native_call(qwen) -> None:
         plain = build_case(qwen, case, style="plain")  # the instruction prompt is another prompt
         assert plain.tokens[:plain.n_prompt] != tc.tokens[:tc.n_prompt] and not plain.gold.startswith("<")
     assert built >= 3
+
+
+def test_parallel_native_cases_are_built(qwen) -> None:
+    """A parallel case's gold calls are several <tool_call> blocks; the grammar can end after them
+    (it could take more blocks), so the case is built, not skipped."""
+    built = 0
+    for case in calib_cases(["parallel", "parallel_multiple"])[:4]:
+        tc = build_case(qwen, case, style="auto")
+        assert tc.gold.count("<tool_call>") >= 2 and tc.gold.count("<tool_call>") == tc.gold.count("</tool_call>")
+        built += 1
+    assert built == 4
