@@ -125,9 +125,7 @@ def measure_case_native(model: Model, case: TFCase, groups: Sequence[Sequence[in
     """Per (group, prompt class) and jointly (every layer) the NLL increase of evicting the class
     (down to ``keep`` of each span); one JSON-able record like ``signals.CaseSignals.to_json``,
     without the attention-output distortion (None: llama.cpp does not expose it here)."""
-    skipped = set(skip)
-    present = [c for c in StructuralClass
-               if not c.is_generated and c not in skipped and c in case.classes[:case.n_prompt]]
+    present = measured_classes(case, skip)
     counts = {c.value: sum(1 for x in case.classes if x == c) for c in StructuralClass if c in case.classes}
     nc = NativeCase.open(model, case)
     try:
@@ -150,8 +148,12 @@ def measure_case_native(model: Model, case: TFCase, groups: Sequence[Sequence[in
         nc.close()
 
 
+def measured_classes(case: TFCase, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> list[StructuralClass]:
+    """The prompt classes ``measure_case_native`` measures for ``case`` (generated ones never), in enum order."""
+    skipped, here = set(skip), set(case.classes[:case.n_prompt])
+    return [c for c in StructuralClass if c in here and not c.is_generated and c not in skipped]
+
+
 def n_native_cells(case: TFCase, n_groups: int, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> int:
     """How many cells ``measure_case_native`` measures for ``case`` (for progress bars)."""
-    skipped = set(skip)
-    present = {c for c in case.classes[:case.n_prompt] if not c.is_generated and c not in skipped}
-    return len(present) * (n_groups + 1)
+    return len(measured_classes(case, skip)) * (n_groups + 1)

@@ -20,15 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from pask_local.eval.paired import sign_test
-
-
-def parse_label(label: str) -> tuple[str, str]:
-    """'pask@0.33' -> ('pask', '0.33'); 'full' -> ('full', 'full')."""
-    if "@" in label:
-        method, budget = label.split("@", 1)
-        return method, f"{float(budget):g}"
-    return label, "full"
+from pask_local.eval.paired import parse_label, sign_test
 
 
 def load(out: Path) -> dict[tuple[str, str, str], dict]:

@@ -59,11 +59,13 @@ def plan_jobs(model_path: Path, methods: list[str], budgets: list[str]) -> list[
     finally:
         model.close()
     shared = tuple(m for m, k in kinds.items() if shares_prefill(k) and not k.keeps_all)
-    jobs = [Job("shared", shared, tuple(budgets))] if len(shared) * len(budgets) > 1 else []
+    if len(shared) * len(budgets) < 2:  # one run shares nothing: it is a job like any other
+        shared = ()
+    jobs = [Job("shared", shared, tuple(budgets))] if shared else []
     for m, k in kinds.items():
         if k.keeps_all:
             jobs.append(Job(m, (m,), ("1",)))
-        elif not (jobs and jobs[0].name == "shared" and m in shared):
+        elif m not in shared:
             jobs += [Job(f"{m}-{b}", (m,), (b,)) for b in budgets]
     return jobs
 

@@ -18,18 +18,8 @@ import sys
 from pathlib import Path
 
 from pask_local.errors import PaskError
+from pask_local.eval.paired import parse_label
 from pask_local.eval.study import build_study, load_dirs, markdown, plot
-
-
-def parse_run(label: str) -> tuple[str, str]:
-    """'pask@0.33' -> ('pask', '0.33'); 'full' -> ('full', 'full')."""
-    if "@" not in label:
-        return label, "full"
-    method, budget = label.split("@", 1)
-    try:
-        return method, f"{float(budget):g}"
-    except ValueError:
-        raise PaskError(f"bad run label {label!r} (want METHOD@BUDGET, e.g. snapkv@0.2)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         manifest, records = load_dirs(args.dirs)
-        runs = [parse_run(s.strip()) for s in args.runs.split(",") if s.strip()] if args.runs else None
+        runs = [parse_label(s.strip()) for s in args.runs.split(",") if s.strip()] if args.runs else None
         study = build_study(records, runs)
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -109,9 +109,7 @@ def eval_command(
         from ..engine.factory import POLICY_METHODS
         from ..policy.schema import Policy
 
-        if not policy.is_file():
-            raise PaskError(f"policy file not found: {policy}")
-        Policy.load(policy)  # a one-line error for a file that is not a policy
+        Policy.load(policy)  # a one-line error for a missing file or one that is not a policy
         if not any(m in POLICY_METHODS for m in method_list):
             raise PaskError(f"--policy applies to {', '.join(POLICY_METHODS)}; none of them is in --methods")
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,

@@ -12,6 +12,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import PaskError
+
+
+def parse_label(label: str) -> tuple[str, str]:
+    """A run label as (method, budget key): 'pask@0.33' -> ('pask', '0.33'); 'full' -> ('full', 'full')."""
+    if "@" not in label:
+        return label, "full"
+    method, budget = label.split("@", 1)
+    try:
+        return method, f"{float(budget):g}"
+    except ValueError:
+        raise PaskError(f"bad run label {label!r} (want METHOD@BUDGET, e.g. snapkv@0.2)") from None
+
 
 def sign_test(wins: int, losses: int) -> float:
     """Exact two-sided binomial p-value for wins vs losses under p = 1/2 (ties dropped)."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..engine.factory import PASK_VARIANTS
 from ..errors import PaskError
 from ..methods import BASELINES
 from .data import CATEGORIES
@@ -78,10 +79,6 @@ def _label(method: str, bkey: str) -> str:
     return method if bkey == "full" else f"{method}@{bkey}"
 
 
-def _is_pask(method: str) -> bool:
-    return method == "pask" or method.startswith("pask-")
-
-
 def _run_order(run: tuple[str, str]) -> tuple[int, str, float]:
     """Full KV, the baselines in ``BASELINES`` order, then the PASK variants; budgets high to low."""
     method, bkey = run
@@ -139,7 +136,7 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
         if best is not None:
             best_recs = [records[(i, best["method"], b)] for i in ids]
             for rw in here:
-                if _is_pask(rw["method"]):
+                if rw["method"] in PASK_VARIANTS:
                     p = pair([records[(i, rw["method"], b)] for i in ids], best_recs)
                     versus.append({"method": rw["method"], "points": round(100 * (rw["accuracy"] - best["accuracy"]), 2),
                                    **p.as_dict()})
@@ -200,7 +197,7 @@ def plot(study: dict[str, Any], path: Path) -> None:
             acc = next(100 * r["accuracy"] for r in study["runs"] if r["method"] == "full")
             ax.axhline(acc, color="black", linestyle="--", label="full")
         elif pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", linewidth=2.2 if _is_pask(m) else 1.2, label=m)
+            ax.plot(*zip(*pts, strict=True), marker="o", linewidth=2.2 if m in PASK_VARIANTS else 1.2, label=m)
     ax.set_xlabel("KV budget (share of Full KV's entries)")
     ax.set_ylabel("accuracy % (mean over categories)")
     ax.set_title(f"{study['n_cases']} cases, the same for every run")
