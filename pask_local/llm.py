@@ -64,11 +64,26 @@ def default_threads() -> int:
     return int(os.environ.get("PASK_THREADS", "0")) or max(1, os.cpu_count() or 1)
 
 
-class Model:
-    """A GGUF model loaded with llama.cpp (weights on CPU unless n_gpu_layers > 0)."""
+def default_gpu_layers() -> int:
+    """Layers offloaded when a caller does not say: ``PASK_NGL`` (e.g. 99 for all; scripts/gpu_check
+    runs the native tests so), else 0. A value that is not an integer is a one-line ModelError."""
+    text = os.environ.get("PASK_NGL", "0").strip() or "0"
+    try:
+        n = int(text)
+    except ValueError:
+        raise ModelError(f"PASK_NGL must be a number of layers, got {text!r}") from None
+    if n < 0:
+        raise ModelError(f"PASK_NGL must be at least 0, got {n}")
+    return n
 
-    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int = 0, verbose: bool = False) -> None:
+
+class Model:
+    """A GGUF model loaded with llama.cpp (weights on CPU unless n_gpu_layers > 0; None: ``PASK_NGL``)."""
+
+    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None, verbose: bool = False) -> None:
         self.path = Path(path)
+        if n_gpu_layers is None:
+            n_gpu_layers = default_gpu_layers()
         check_gguf(self.path)  # a one-line ModelError before llama.cpp can abort on a bad file
         _init_backend(verbose)
         raw = _raw()

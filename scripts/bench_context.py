@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # a fallback: an installed pask_local (editable or not) comes first
 sys.path.insert(0, str(REPO / "scripts"))
 
 QWEN3_4B_SHAPE = {"n_embd": 2560, "n_head": 32, "n_head_kv": 8, "head_dim": 128, "n_ff": 9728, "n_vocab": 1024,
@@ -103,9 +103,10 @@ def run_one(spec: dict) -> dict:
     from pask_local.llm import Model
     from pask_local.schema.tools import load_tools
 
-    model = Model(spec["gguf"])
+    model = Model(spec["gguf"], n_gpu_layers=spec.get("ngl", 0))
     budget = spec["budget"]
-    cfg = EngineConfig(budget=budget, max_tokens=spec["max_tokens"], n_ctx=spec["n_ctx"])
+    cfg = EngineConfig(budget=budget, max_tokens=spec["max_tokens"], n_ctx=spec["n_ctx"],
+                       flash_attn=spec.get("flash_attn", False))
     engine = Engine(model, make_method(spec["method"], model), cfg)
     res = engine.run(load_tools(tool_set(spec["tools"])), REQUEST)
     s = res.stats
@@ -125,6 +126,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--ngl", type=int, default=0, help="layers on the GPU (a CUDA build; 99: all)")
+    ap.add_argument("--flash-attn", action="store_true", help="flash attention in every run")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
@@ -134,6 +137,9 @@ def main() -> int:
     from pask_local.errors import PaskError
     from pask_local.llm import Model
 
+    if args.ngl < 0:
+        print("error: --ngl must be at least 0", file=sys.stderr)
+        return 2
     try:
         lengths = [int(x) for x in args.contexts.split(",") if x.strip()]
         budgets = [float(x) for x in args.budgets.split(",") if x.strip()]
@@ -142,7 +148,7 @@ def main() -> int:
         return 2
     try:
         gguf = bench_model(args)
-        model = Model(gguf)
+        model = Model(gguf, n_gpu_layers=0)  # tokenizes the prompts only
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -158,7 +164,8 @@ def main() -> int:
             print(f"[sweep] {length} tokens ({n_prompt} in {n_tools} tools): {method} {budget}", file=sys.stderr,
                   flush=True)
             spec = {"gguf": str(gguf), "tools": n_tools, "method": method, "budget": budget,
-                    "max_tokens": args.max_tokens, "n_ctx": n_prompt + args.max_tokens + 1}
+                    "max_tokens": args.max_tokens, "n_ctx": n_prompt + args.max_tokens + 1,
+                    "ngl": args.ngl, "flash_attn": args.flash_attn}
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
                                   text=True, env={**os.environ})
             if proc.returncode != 0:
@@ -170,7 +177,8 @@ def main() -> int:
     _ratios(rows)
     _table(rows, Path(gguf).name, label)
     if args.json:
-        args.json.write_text(json.dumps({"model": Path(gguf).name, "weights": label, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"model": Path(gguf).name, "weights": label, "ngl": args.ngl,
+                                          "flash_attn": args.flash_attn, "rows": rows}, indent=1))
     if args.png:
         _plot(rows, args.png, f"{Path(gguf).name} ({label})")
     return 0

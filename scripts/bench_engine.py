@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # a fallback: an installed pask_local (editable or not) comes first
 
 from pask_local.engine import Engine, EngineConfig, make_method  # noqa: E402
 from pask_local.errors import PaskError  # noqa: E402

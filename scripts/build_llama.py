@@ -11,6 +11,11 @@ Steps (each fails loudly with a one-line reason):
 4. cache the wheel under a key (sdist sha256, hash of patches/ + ggml_kernels/, flags) and
    install it into the running interpreter's environment. An unchanged tree never rebuilds.
 
+``--bundle OUT.tar.gz`` writes step 2's patched tree, without what no library build compiles (models,
+docs, tests, tools, other backends' sources), as a small tarball for a machine that cannot fetch the
+sdist (a lent GPU machine: ``scripts/gpu_check``); ``--tree DIR`` builds from such a tree instead of
+the sdist (it must carry this repo's series hash). ``--archs`` overrides the CUDA architectures.
+
 ``--sanitize address,undefined`` builds the same series with ASan/UBSan (RelWithDebInfo, frame
 pointers) into its own source tree, build dir and cache key, and installs it only into a separate
 virtual environment (``--venv .venv-asan``), never the default one; ``scripts/sanitize_check``
@@ -138,6 +143,16 @@ def cpu_flags(avx512: bool) -> list[str]:
 
 CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"   # cuBLAS 13 headers + libraries (nvidia/cu13/{include,lib})
 CUDA_ARCHS = "86;89;90"                       # RTX 30 / RTX 40 laptops, H100/H200: no JIT at load
+BUNDLE_INFO_NAME = "pask_bundle.json"
+# What a bundle leaves out of the patched tree: nothing the library build (SKIP_FLAGS, LLAVA off) compiles.
+BUNDLE_DROP = (".git", "docker", "docs", "examples", "tests", "vendor/llama.cpp/models", "vendor/llama.cpp/docs",
+               "vendor/llama.cpp/media", "vendor/llama.cpp/benches", "vendor/llama.cpp/examples",
+               "vendor/llama.cpp/pocs", "vendor/llama.cpp/tests", "vendor/llama.cpp/gguf-py",
+               "vendor/llama.cpp/conversion", "vendor/llama.cpp/tools", "vendor/llama.cpp/app",
+               "vendor/llama.cpp/ci", "vendor/llama.cpp/skills", "vendor/llama.cpp/requirements",
+               "vendor/llama.cpp/grammars", "vendor/llama.cpp/scripts",
+               "vendor/llama.cpp/.github", "vendor/llama.cpp/.devops")
+BUNDLE_BACKENDS = ("ggml-cpu", "ggml-cuda")   # ggml/src backend directories a bundle keeps
 
 
 def wheel_cublas(dirs: list[Path]) -> Path | None:
@@ -183,14 +198,14 @@ def _has_libcuda(roots: list[Path]) -> bool:
 
 
 def cuda_flags(toolkit_roots: list[Path] | None = None, wheel_dirs: list[Path] | None = None,
-               fetch: bool = False) -> list[str]:
+               fetch: bool = False, archs: str = CUDA_ARCHS) -> list[str]:
     """CMake flags for a CUDA build; BuildError when nvcc or the cuBLAS headers are missing.
 
     ``toolkit_roots``: where to look for include/cublas_v2.h besides nvcc's own toolkit
     (default: $CUDA_HOME and /usr/local/cuda*). Without them, cuBLAS comes from the pinned
     ``nvidia-cublas`` wheel installed under one of ``wheel_dirs`` (default: the build cache's
     cuda-deps and this interpreter's site-packages), which ``fetch`` installs when missing.
-    Architectures: ``CUDA_ARCHS``.
+    Architectures: ``archs`` (default ``CUDA_ARCHS``).
     """
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -200,7 +215,7 @@ def cuda_flags(toolkit_roots: list[Path] | None = None, wheel_dirs: list[Path] |
     roots = [Path(nvcc).resolve().parent.parent, *toolkit_roots]
     headers = [r / "include" / "cublas_v2.h" for r in roots]
     headers += [h for r in roots for h in r.glob("targets/*/include/cublas_v2.h")]
-    base = ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={CUDA_ARCHS}", *NO_AMX]
+    base = ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={archs}", *NO_AMX]
     if not _has_libcuda(roots):
         # no driver library (nor the toolkit's stub) to link: ggml-cuda then skips its VMM pool,
         # the one feature that links libcuda directly (the legacy pool allocates instead)
@@ -250,14 +265,24 @@ def sanitize_flags(kinds: tuple[str, ...]) -> list[str]:
             f"-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize={','.join(kinds)}"]
 
 
+def parse_archs(text: str | None) -> str:
+    """``"90"`` or ``"86;89;90"`` (commas allowed) -> CMake's list; BuildError on anything else."""
+    if text is None:
+        return CUDA_ARCHS
+    archs = [a.strip() for a in text.replace(",", ";").split(";") if a.strip()]
+    if not archs or not all(a.isdigit() and 50 <= int(a) <= 200 for a in archs):
+        raise BuildError(f"--archs takes CUDA architectures such as 86;89;90, got {text!r}")
+    return ";".join(archs)
+
+
 def make_plan(cuda: bool, avx512: bool | None = None, repo: Path = REPO_ROOT,
-              sanitize: tuple[str, ...] = ()) -> BuildPlan:
+              sanitize: tuple[str, ...] = (), archs: str = CUDA_ARCHS) -> BuildPlan:
     series = series_hash(repo)
     if avx512 is None:
         avx512 = host_has_avx512()
     if sanitize and cuda:
         raise BuildError("--sanitize builds are CPU builds (drop --cuda)")
-    flags = cuda_flags(fetch=True) if cuda else cpu_flags(avx512)
+    flags = cuda_flags(fetch=True, archs=archs) if cuda else cpu_flags(avx512)
     flags = [*flags, *SKIP_FLAGS, *sanitize_flags(tuple(sanitize)), f"-DPASK_PATCH_SERIES={series}"]
     return BuildPlan(PINNED_SHA256, series, tuple(flags), tuple(sanitize))
 
@@ -363,22 +388,82 @@ def installed_build_info(python: str | None = None) -> dict | None:
         return None
 
 
-def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool) -> Path:
+def stage_tree(repo: Path, cache: Path, into: Path) -> tuple[Path, list[str]]:
+    """The pinned sdist extracted under ``into``, the series applied, ggml_kernels/ copied in."""
+    sdist = fetch_sdist(cache / "sdist")
+    staged = extract_sdist(sdist, into)
+    names = apply_patches(staged, repo / "patches")
+    log(f"applied {len(names)} patch(es): {', '.join(names) or '-'}")
+    kernels = repo / "ggml_kernels"
+    if kernels.is_dir():
+        shutil.copytree(kernels, staged / "vendor" / "llama.cpp" / "pask_kernels",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return staged, names
+
+
+def prune_for_bundle(tree: Path) -> None:
+    """Remove from a patched tree what no library build compiles (``BUNDLE_DROP``, other backends)."""
+    for rel in BUNDLE_DROP:
+        p = tree / rel
+        if p.is_dir():
+            shutil.rmtree(p)
+    backends = tree / "vendor" / "llama.cpp" / "ggml" / "src"
+    for d in backends.iterdir():
+        if d.is_dir() and d.name.startswith("ggml-") and d.name not in BUNDLE_BACKENDS:
+            shutil.rmtree(d)
+
+
+def write_bundle(out: Path, repo: Path = REPO_ROOT) -> Path:
+    """The patched, pruned tree as ``out`` (.tar.gz) with ``pask_bundle.json`` (series hash, patches)."""
+    if not out.name.endswith(".tar.gz"):
+        raise BuildError(f"--bundle writes a .tar.gz file, got {out}")
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        staged, names = stage_tree(repo, cache, Path(tmp))
+        prune_for_bundle(staged)
+        info = {"series": series_hash(repo), "patches": names, "sdist_sha256": PINNED_SHA256,
+                "version": PINNED_VERSION}
+        (staged / BUNDLE_INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
+        part = out.with_name(out.name + ".part")
+        with tarfile.open(part, "w:gz") as tar:
+            tar.add(staged, arcname="llama-cpp-python")
+        part.replace(out)
+    log(f"bundle {out} ({out.stat().st_size / 2**20:.1f} MiB, series {info['series']})")
+    return out
+
+
+def check_bundle_tree(tree: Path, repo: Path = REPO_ROOT) -> Path:
+    """A tree made by ``--bundle`` for this repo's series (BuildError otherwise); the tree."""
+    info_path = tree / BUNDLE_INFO_NAME
+    if not info_path.is_file():
+        raise BuildError(f"{tree} is not a patched tree made by --bundle (no {BUNDLE_INFO_NAME})")
+    try:
+        info = json.loads(info_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BuildError(f"{info_path} is not JSON") from None
+    want = series_hash(repo)
+    if not isinstance(info, dict) or info.get("series") != want:
+        got = info.get("series") if isinstance(info, dict) else None
+        raise BuildError(f"{tree} was bundled from patch series {got}, this repo's is {want}: bundle it again")
+    return tree
+
+
+def build_wheel(plan: BuildPlan, repo: Path, cache: Path, verbose: bool, tree_src: Path | None = None) -> Path:
     wheel_dir = cache / "wheels" / plan.key
     wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
     if wheels:
         log(f"cached wheel {plan.key}")
         return wheels[0]
-    sdist = fetch_sdist(cache / "sdist")
     flavour = plan.flavour
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        staged = extract_sdist(sdist, Path(tmp))
-        names = apply_patches(staged, repo / "patches")
-        log(f"applied {len(names)} patch(es): {', '.join(names) or '-'}")
-        kernels = repo / "ggml_kernels"
-        if kernels.is_dir():
-            shutil.copytree(kernels, staged / "vendor" / "llama.cpp" / "pask_kernels",
-                            ignore=shutil.ignore_patterns("__pycache__"))
+        if tree_src is None:
+            staged, names = stage_tree(repo, cache, Path(tmp))
+        else:  # a bundle's tree (check_bundle_tree): already patched
+            staged = Path(tmp) / "tree"
+            shutil.copytree(tree_src, staged, symlinks=True)
+            names = json.loads((staged / BUNDLE_INFO_NAME).read_text())["patches"]
         info = {"key": plan.key, "series": plan.series_hash, "sdist_sha256": plan.sdist_sha256,
                 "flags": list(plan.flags), "patches": names, "version": PINNED_VERSION,
                 "sanitize": list(plan.sanitize)}
@@ -462,11 +547,15 @@ def install(cuda: bool = False, force: bool = False, verbose: bool = False,
     return wheel
 
 
-def build_only(cuda: bool, verbose: bool = False, repo: Path = REPO_ROOT) -> Path:
-    """Build (or find cached) the wheel for the current tree without installing it; its path."""
-    plan = make_plan(cuda, repo=repo)
+def build_only(cuda: bool, verbose: bool = False, repo: Path = REPO_ROOT, archs: str = CUDA_ARCHS,
+               tree: Path | None = None) -> Path:
+    """Build (or find cached) the wheel for the current tree without installing it; its path.
+    ``tree``: build from a bundle's patched tree instead of the sdist."""
+    if tree is not None:
+        check_bundle_tree(tree, repo)
+    plan = make_plan(cuda, repo=repo, archs=archs)
     with _flavour_lock(plan) as cache:
-        return build_wheel(plan, repo, cache, verbose)
+        return build_wheel(plan, repo, cache, verbose, tree)
 
 
 @contextlib.contextmanager
@@ -510,14 +599,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--venv", type=Path, help="install into this separate virtual environment (created if missing)")
     ap.add_argument("--wheel-only", action="store_true",
                     help="build and cache the wheel, print its path, install nothing (e.g. a CUDA wheel here)")
+    ap.add_argument("--archs", metavar="LIST", help=f"CUDA architectures (default {CUDA_ARCHS})")
+    ap.add_argument("--bundle", type=Path, metavar="OUT.tar.gz",
+                    help="write the patched, pruned source tree as a tarball and exit (scripts/gpu_check)")
+    ap.add_argument("--tree", type=Path, metavar="DIR", help="with --wheel-only: build from a --bundle tree")
     args = ap.parse_args(argv)
     try:
         sanitize = parse_sanitize(args.sanitize)
-        if args.print_key:
-            print(make_plan(args.cuda, sanitize=sanitize).key)
+        archs = parse_archs(args.archs)
+        if args.bundle is not None:
+            write_bundle(args.bundle)
             return 0
+        if args.print_key:
+            print(make_plan(args.cuda, sanitize=sanitize, archs=archs).key)
+            return 0
+        if args.tree is not None and not args.wheel_only:
+            raise BuildError("--tree builds a wheel only: add --wheel-only")
         if args.wheel_only:
-            print(build_only(args.cuda, args.verbose))
+            print(build_only(args.cuda, args.verbose, archs=archs, tree=args.tree))
             return 0
         install(cuda=args.cuda, force=args.force, verbose=args.verbose, sanitize=sanitize, venv=args.venv)
     except BuildError as exc:

@@ -123,3 +123,49 @@ def test_installed_libllama_reports_the_series_hash(build_script):
     info = native.build_info()
     assert info["series"] == build_script.series_hash(REPO)
     assert info["patches"] == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
+
+
+def test_bundle_is_the_patched_tree_without_what_no_build_compiles(build_script, tmp_path):
+    """scripts/gpu_check's source: the series applied, small enough to travel to a GPU machine (64 MiB with
+    the tree), nothing a library build compiles left out, and refused once the series changes."""
+    import json
+    import tarfile
+
+    out = build_script.write_bundle(tmp_path / "src.tar.gz")
+    assert out.stat().st_size < 16 * 2**20
+    with tarfile.open(out) as tar:
+        tar.extractall(tmp_path / "x", filter="tar")
+    tree = tmp_path / "x" / "llama-cpp-python"
+    info = json.loads((tree / build_script.BUNDLE_INFO_NAME).read_text())
+    assert info["series"] == build_script.series_hash(REPO)
+    assert info["patches"] == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
+    llama = tree / "vendor" / "llama.cpp"
+    assert "pask_patch_version" in (llama / "include" / "pask.h").read_text()  # patched
+    for kept in ("src", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda", "common", "vendor", "CMakeLists.txt"):
+        assert (llama / kept).exists(), kept
+    for dropped in ("models", "docs", "tests", "tools", "ggml/src/ggml-vulkan", "ggml/src/ggml-metal"):
+        assert not (llama / dropped).exists(), dropped
+    assert not (tree / ".git").exists()
+    assert build_script.check_bundle_tree(tree) == tree
+    repo = _copy_series(REPO, tmp_path / "repo")
+    p = repo / "patches" / "0001-pask-version.patch"
+    p.write_text(p.read_text() + "\n")
+    with pytest.raises(build_script.BuildError, match="bundle it again"):
+        build_script.check_bundle_tree(tree, repo)
+    with pytest.raises(build_script.BuildError, match="not a patched tree"):
+        build_script.check_bundle_tree(tmp_path)
+
+
+def test_build_options_are_checked(build_script, tmp_path, capsys):
+    assert build_script.parse_archs("90") == "90"
+    assert build_script.parse_archs("86, 89,90") == "86;89;90"
+    assert build_script.parse_archs(None) == build_script.CUDA_ARCHS
+    for bad in ("", "sm_90", "90;x", "12"):
+        with pytest.raises(build_script.BuildError, match="--archs"):
+            build_script.parse_archs(bad)
+    assert build_script.main(["--tree", str(tmp_path)]) == 1
+    assert "--tree builds a wheel only" in capsys.readouterr().err
+    assert build_script.main(["--wheel-only", "--tree", str(tmp_path)]) == 1
+    assert "not a patched tree" in capsys.readouterr().err
+    assert build_script.main(["--bundle", str(tmp_path / "x.zip")]) == 1
+    assert ".tar.gz" in capsys.readouterr().err

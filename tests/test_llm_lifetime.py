@@ -4,6 +4,7 @@ context on it has closed. ASan found the use-after-free this prevents (scripts/s
 
 from __future__ import annotations
 
+import pytest
 from pask_local.calibration.synthetic import write_synthetic_gguf
 
 from pask_local.llm import Context, ContextConfig, Model
@@ -21,3 +22,17 @@ def test_model_closed_before_its_context_is_freed_after_it(tmp_path):
     assert model.ptr is None                       # the last context freed it
     model.close()                                  # idempotent
 
+
+
+def test_pask_ngl_sets_the_default_offload(monkeypatch):
+    from pask_local.errors import ModelError
+    from pask_local.llm import default_gpu_layers
+
+    monkeypatch.delenv("PASK_NGL", raising=False)
+    assert default_gpu_layers() == 0
+    monkeypatch.setenv("PASK_NGL", "99")
+    assert default_gpu_layers() == 99
+    for bad in ("all", "-1", "1.5"):
+        monkeypatch.setenv("PASK_NGL", bad)
+        with pytest.raises(ModelError, match="PASK_NGL"):
+            default_gpu_layers()

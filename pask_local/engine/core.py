@@ -469,17 +469,20 @@ class _Run:
         self.n_seq = n
         if self.full:
             return
-        if self.planned is not None:
-            for il in range(self.n_layer):
-                self._evict_unplanned(il, self.held(il))
-        else:
-            for il in range(self.n_layer):
-                self.evict_to(il, self.caps[il], -1, "window")
         self.evict_swa_window(n - 1, -1)
+        for il in range(self.n_layer):
+            if self.planned is not None and self.planned[il] is not None:
+                self._evict_unplanned(il, self.held(il))
+            else:
+                self.evict_to(il, self.caps[il], -1, "window")
 
     def _evict_unplanned(self, il: int, positions: np.ndarray) -> None:
         """Evict from layer il those of ``positions`` (prompt positions) its plan does not keep."""
-        drop = positions[~self.planned[il][positions]]
+        plan = self.planned[il] if self.planned is not None else None
+        if plan is None:  # a sliding-window layer: chosen among what its window still holds
+            self.evict_to(il, self.caps[il], -1, "policy")
+            return
+        drop = positions[~plan[positions]]
         if len(drop):
             self.ctx.evict(il, drop.tolist(), self.seq_id)
             self._log_evict(il, drop, -1, "policy")
@@ -495,6 +498,8 @@ class _Run:
             return
         if self.scores_each_decode:
             self.collect_scores(self._incremental_stat())
+        # what left a sliding window first: the budget chooses among what the window still holds
+        self.evict_swa_window(b - 1, -1)
         if self.planned is not None:
             arrived = np.arange(a, b)
             for il in range(self.n_layer):
@@ -502,7 +507,6 @@ class _Run:
         elif not self.method.compress_after_prefill:
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
-        self.evict_swa_window(b - 1, -1)
 
     def end_prefill(self) -> None:
         """The whole prompt is in: compress once (compress-after-prefill methods), start decoding."""
@@ -531,12 +535,21 @@ class _Run:
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM
 
-    def _prompt_plan(self) -> list[np.ndarray]:
-        """Per layer: a boolean mask over prompt positions that persist (decided before prefill)."""
-        plan = []
+    def _prompt_plan(self) -> list[np.ndarray | None]:
+        """Per layer: a boolean mask over prompt positions that persist (decided before prefill).
+
+        A sliding-window layer gets none (None): what it can use is what its window holds when a query
+        comes, which a plan over the whole prompt cannot know (it kept out-of-window tokens of a
+        protected class for in-window ones, and the window then dropped them: at budget 1.0 PASK
+        differed from Full KV once a prompt outgrew the window). Such a layer drops what left the
+        window after each chunk and then evicts to its capacity by the method's rule."""
+        plan: list[np.ndarray | None] = []
         positions = np.arange(self.n_prompt)
         cls = np.asarray(self.all_classes, dtype=np.int64)
         for il in range(self.n_layer):
+            if il in self.e.swa and self.e.window > 0:
+                plan.append(None)
+                continue
             view = LayerView(layer=il, n_layer=self.n_layer, positions=positions, classes=cls,
                              prompt_len=self.n_prompt, all_classes=cls)
             keep = self.method.select(view, self.caps[il])
@@ -603,9 +616,9 @@ class _Run:
             if not self.full:
                 if self.scores_each_decode:
                     self.collect_scores(self._incremental_stat())
+                self.evict_swa_window(pos, step)
                 for il in range(self.n_layer):
                     self.evict_to(il, self.target(il, step + 1), step, "score" if self.needs_attn else "policy")
-                self.evict_swa_window(pos, step)
             held = self.held_counts()
         self.step_s += time.perf_counter() - t_step
         self.worst_over = max(self.worst_over, max(h - self._allowed(il, step + 1) for il, h in enumerate(held)))
