@@ -132,6 +132,10 @@ def calibrate_command(
                                         "compresses after reading the prompt (calibration/native_signals.py)")] = "reference",
     keep: Annotated[float, typer.Option("--keep", help="native signal: the share of each span of a class kept "
                                         "when it is evicted (the budget-aware signal; 0: the whole class)")] = 0.0,
+    group_curves: Annotated[bool, typer.Option("--group-curves", help="native signal: also measure, per layer "
+                                               "group, the NLL increase when that group alone keeps 5-50% of the "
+                                               "prompt, and split every budget between the groups by these curves "
+                                               "(pask_local/policy/groups.py)")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="no progress or tables")] = False,
 ) -> Policy:
     """Measure calibration signals on BFCL's calib split and write a calibrated policy (resumable).
@@ -152,7 +156,7 @@ def calibrate_command(
     from pask_local.models import file_sha256, resolve_model
 
     from .cases import CaseSkipped, build_case
-    from .native_signals import measure_case_native, n_native_cells
+    from .native_signals import GROUP_LEVELS, measure_case_native, measure_group_curves, n_native_cells
     from .reference import ReferenceModel
     from .signals import measure_case, measure_joint, n_cells, n_joint_cells
 
@@ -177,6 +181,8 @@ def calibrate_command(
         raise CalibrationError(f"--keep must be in [0, 1), got {keep}")
     if keep and signal != "native":
         raise CalibrationError("--keep needs --signal native")
+    if group_curves and signal != "native":
+        raise CalibrationError("--group-curves needs --signal native")
     if prompt_style not in ENGINE_STYLES:
         raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
@@ -240,6 +246,19 @@ def calibrate_command(
             rec = {**done[case.id], "joint": measure_joint(ref, tc, chunk=chunk, on_cell=tick)}
             _append(cache, rec)
             done[case.id] = rec
+        # group budget curves for the cases that lack them (a cheap pass over the same prefills)
+        if group_curves:
+            lacking = [c for c in pool if c.id in done and "cells" in done[c.id]
+                       and "group_curves" not in done[c.id]][:want]
+            for case in lacking:
+                if max_minutes and time.monotonic() - t0 > max_minutes * 60:
+                    console.print("[yellow]time limit reached: fitting the group curves measured so far")
+                    break
+                tc = build_case(model, case, use_examples=use_examples, max_tokens=max_tokens, style=style)
+                progress.update(task, description=f"group curves {case.id}")
+                rec = {**done[case.id], "group_curves": measure_group_curves(model, tc, layer_groups, GROUP_LEVELS)}
+                _append(cache, rec)
+                done[case.id] = rec
     records = [done[c.id] for c in pool if c.id in done and "cells" in done[c.id]][:want]
     if not records:
         raise CalibrationError("no case could be measured (all skipped); see the cache for the reasons")
@@ -262,7 +281,7 @@ def calibrate_command(
         provenance.update(signal="native (llama.cpp, one prefill per case; calibration/native_signals.py)",
                           keep=keep)
         del provenance["chunk"], provenance["reference_dtype"]
-    policy = fit_policy(records, layer_groups, rule, provenance)
+    policy = fit_policy(records, layer_groups, rule, provenance, group_curves=group_curves)
     policy.save(out)
     measured, fitted = summary_rows(policy)
     per_token = "dNLL per evicted token" if signal == "native" else "distortion per evicted token"

@@ -157,3 +157,48 @@ def measured_classes(case: TFCase, skip: Iterable[StructuralClass] = (Structural
 def n_native_cells(case: TFCase, n_groups: int, skip: Iterable[StructuralClass] = (StructuralClass.SINK,)) -> int:
     """How many cells ``measure_case_native`` measures for ``case`` (for progress bars)."""
     return len(measured_classes(case, skip)) * (n_groups + 1)
+
+
+# The shares of the prompt at which each layer group's budget curve is measured (policy/groups.py)
+GROUP_LEVELS = (0.05, 0.1, 0.2, 0.35, 0.5)
+
+
+def group_keep_positions(model: Model, case: TFCase, groups: Sequence[Sequence[int]], share: float) -> list[np.ndarray]:
+    """Per group: the prompt positions the hand-written prior keeps in that group's layers when each
+    layer may hold ``share`` of the prompt (its class quotas, span-head order, sinks and the held
+    tail: ``methods.pask.PASK.select`` on the whole prompt, as a structural plan decides before prefill)."""
+    from pask_local.methods import LayerView
+    from pask_local.methods.pask import PASK, class_indices
+    from pask_local.policy.handwritten import handwritten_policy
+
+    n = case.n_prompt
+    cls = class_indices(case.classes[:n])
+    method = PASK(handwritten_policy(model.n_layer, len(groups)))
+    method.capacities(share, cls, model.n_layer)  # compiles the class quotas select reads
+    out = []
+    for layers in groups:
+        il = layers[0]
+        view = LayerView(layer=il, n_layer=model.n_layer, positions=np.arange(n), classes=cls, prompt_len=n,
+                         all_classes=cls)
+        out.append(np.asarray(method.select(view, max(1, math.ceil(share * n))), dtype=np.int64))
+    return out
+
+
+def measure_group_curves(model: Model, case: TFCase, groups: Sequence[Sequence[int]],
+                         levels: Sequence[float] = GROUP_LEVELS, on_cell=None) -> list[dict]:
+    """Per (group, level): the NLL increase when that group's layers keep only ``level`` of the prompt
+    (``group_keep_positions``) and every other layer keeps it all; JSON-able cells."""
+    nc = NativeCase.open(model, case)
+    try:
+        cells = []
+        everything = np.arange(case.n_prompt)
+        for k in levels:
+            kept = group_keep_positions(model, case, groups, k)
+            for g, layers in enumerate(groups):
+                drop = np.setdiff1d(everything, kept[g]).tolist()
+                cells.append({"group": g, "keep": k, "dnll": nc.dnll(drop, layers), "n_kept": int(len(kept[g]))})
+                if on_cell is not None:
+                    on_cell()
+        return cells
+    finally:
+        nc.close()

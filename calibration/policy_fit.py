@@ -33,6 +33,7 @@ from typing import Any
 
 from pask_local.classes import StructuralClass
 from pask_local.errors import PaskError
+from pask_local.policy.groups import GroupCurves
 from pask_local.policy.schema import Policy
 
 NEVER_EVICT = (StructuralClass.SINK,)
@@ -140,9 +141,30 @@ def floor_mass(floors: list[dict[StructuralClass, float]], groups: list[list[int
     return mass
 
 
+def fit_group_curves(records: Sequence[dict[str, Any]], n_groups: int) -> tuple[GroupCurves, int] | None:
+    """The mean group budget curves over the records that carry them (``native_signals.measure_group_curves``),
+    with how many records that is; None when none does. Every record must use the same levels."""
+    have = [r for r in records if r.get("group_curves")]
+    if not have:
+        return None
+    sums: dict[tuple[int, float], list[float]] = {}
+    for rec in have:
+        for cell in rec["group_curves"]:
+            g = int(cell["group"])
+            if not 0 <= g < n_groups:
+                raise FitError(f"case {rec.get('id')}: group {g} outside 0..{n_groups - 1}")
+            sums.setdefault((g, float(cell["keep"])), []).append(float(cell["dnll"]))
+    levels = sorted({k for _, k in sums})
+    if any(len(sums.get((g, k), ())) != len(have) for g in range(n_groups) for k in levels):
+        raise FitError("the cached group curves were measured at different levels; measure them again")
+    curves = tuple(tuple(sum(sums[(g, k)]) / len(have) for k in levels) for g in range(n_groups))
+    return GroupCurves(tuple(levels), curves), len(have)
+
+
 def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule: FitRule,
-               provenance: dict[str, Any]) -> Policy:
-    """The calibrated Policy (see the module docstring for the rules)."""
+               provenance: dict[str, Any], group_curves: bool = False) -> Policy:
+    """The calibrated Policy (see the module docstring for the rules); ``group_curves``: with the mean
+    group budget curves of the records (``fit_group_curves``) as its ``group_budget``."""
     rule.check()
     if not records:
         raise FitError("no measured cases to fit a policy from")
@@ -207,9 +229,17 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
          "distortion_mean": round(cell.distortion, 6), "n_cases": cell.n_cases}
         for (g, c), cell in sorted(cells.items(), key=lambda kv: (kv[0][0], list(StructuralClass).index(kv[0][1])))
     ]
+    curves = None
+    if group_curves:
+        fitted = fit_group_curves(records, n_groups)
+        if fitted is None:
+            raise FitError("no measured group curves to fit (calibrate --group-curves measures them)")
+        curves, n_curves = fitted
+        prov["group_budget"] = {"n_cases": n_curves, "measured_with": "the hand-written prior's rule, one group "
+                                "at a time (calibration/native_signals.py: measure_group_curves)"}
     return Policy(groups=groups, floors=floors, weights=[{c: round(w, 4) for c, w in t.items()} for t in weights],
                   kind="calibrated", within_class_order=WITHIN_CLASS_ORDER, never_evict=NEVER_EVICT,
-                  provenance=prov)
+                  provenance=prov, group_budget=curves)
 
 
 def _r(x: float) -> float | None:

@@ -148,3 +148,67 @@ def test_residual_roundtrip_and_validation():
                         ({"residual": "attention", "within_class_order": "span-head"}, "needs within_class_order")):
         with pytest.raises(PolicyError, match=needle):
             Policy.from_json({**data, **bad})
+
+
+# ------------------------------------------------------------------ group budget curves
+def _curves(*per_group, levels=(0.05, 0.1, 0.2, 0.35, 0.5)):
+    from pask_local.policy.groups import GroupCurves
+
+    return GroupCurves(tuple(levels), tuple(tuple(c) for c in per_group))
+
+
+def test_group_keep_meets_the_budget_and_favours_the_sensitive_group():
+    from pask_local.policy.groups import group_keep
+
+    flat = [0.01, 0.01, 0.0, 0.0, 0.0]          # a group that barely notices compression
+    steep = [2.0, 1.5, 0.8, 0.3, 0.1]          # one that needs its prompt
+    for budget in (0.1, 0.2, 0.33):
+        k = group_keep(_curves(flat, flat, steep, steep), budget, [7, 7, 7, 7])
+        assert sum(7 * x for x in k) == pytest.approx(budget * 28, rel=1e-6)
+        # (shares on one linear piece of a curve tie: which of the steep groups gets more is not pinned)
+        assert max(k[0], k[1]) < min(k[2], k[3]), (budget, k)
+        assert min(k) >= 0.05 - 1e-9
+    # equal curves: equal shares, the budget itself
+    k = group_keep(_curves(steep, steep, steep, steep), 0.2, [7, 7, 7, 7])
+    assert k == pytest.approx([0.2] * 4, abs=0.011)
+    # a budget below every measured level, or all of it: every group gets it
+    assert group_keep(_curves(flat, steep), 0.03, [4, 4]) == [0.03, 0.03]
+    assert group_keep(_curves(flat, steep), 1.0, [4, 4]) == [1.0, 1.0]
+
+
+def test_group_curves_are_interpolated_and_never_rise():
+    c = _curves([0.5, 0.6, 0.2, 0.25, 0.0])  # two measured rises: noise, flattened
+    assert c.error(0, 0.01) == 0.5 and c.error(0, 0.1) == 0.5
+    assert c.error(0, 0.3) <= c.error(0, 0.2) == pytest.approx(0.2)
+    assert c.error(0, 0.75) == pytest.approx(0.0) and c.error(0, 1.0) == 0.0
+    assert c.error(0, 0.15) == pytest.approx(0.35)
+
+
+def test_compile_splits_the_budget_by_the_group_curves():
+    pol = _policy({(g, C.QUERY): 1.0 for g in range(2)},
+                  {(g, c): 1.0 for g in range(2) for c in (C.DESCRIPTION, C.SCHEMA_PUNCT, C.PARAM_NAME)})
+    uniform = compile_policy(pol, 0.33, COUNTS)
+    assert uniform.layer_capacity[0] == uniform.layer_capacity[-1]
+    pol.group_budget = _curves([0.01, 0.01, 0.0, 0.0, 0.0], [2.0, 1.5, 0.8, 0.3, 0.1])
+    out = compile_policy(pol, 0.33, COUNTS)
+    assert out.layer_capacity[0] < uniform.layer_capacity[0] < out.layer_capacity[-1]
+    assert out.granted_entries == pytest.approx(0.33 * out.full_entries, rel=0.02)
+    # a group whose share is below its floors lowers them, and says so for that group only
+    low = compile_policy(pol, 0.1, COUNTS)
+    assert low.warnings and all("group 0" in w for w in low.warnings)
+
+
+def test_group_budget_round_trips_and_bad_curves_are_one_line_errors(tmp_path):
+    pol = handwritten_policy(8, 2)
+    pol.group_budget = _curves([0.1, 0.1, 0.0, 0.0, 0.0], [1.0, 0.5, 0.2, 0.1, 0.0])
+    path = tmp_path / "p.json"
+    pol.save(path)
+    assert Policy.load(path).group_budget == pol.group_budget
+    data = json.loads(path.read_text())
+    for bad in ({"levels": [0.2, 0.1], "dnll": [[0, 0], [0, 0]]}, {"levels": [0.1], "dnll": [[0.0]]},
+                {"levels": [0.1, 1.5], "dnll": [[0, 0], [0, 0]]}, {"levels": [0.1], "dnll": [["x"], [0]]},
+                {"levels": [0.1], "dnll": [[float("nan")], [0]]}, [1, 2]):
+        path.write_text(json.dumps({**data, "group_budget": bad}))
+        with pytest.raises(PolicyError, match="group_budget") as err:
+            Policy.load(path)
+        assert "\n" not in str(err.value)

@@ -13,6 +13,10 @@ least protective classes (``PROTECTION_ORDER``, from the end) are lowered first,
 group at once, the last one only as far as needed, and the result says so with a warning. (Before,
 the floors won: at B = 0.2 the hand-written prior held 0.29 of Full KV on Qwen2.5-Coder's native
 prompts, which made it look better than methods that held 0.2.)
+With ``group_budget`` curves in the policy (``policy/groups.py``) the budget is first split between
+the layer groups (each group its measured best share, the layers' mean share the budget), and the
+floors-then-weights allocation runs inside each group on its own share (a group's floors give way
+only to its own share).
 Online, only the result of this step is looked up.
 """
 
@@ -23,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..classes import PROTECTION_ORDER, StructuralClass
+from .groups import group_keep
 from .schema import Policy
 
 
@@ -70,30 +75,28 @@ def compile_policy(policy: Policy, budget: float, class_counts: Mapping[Structur
     def cost(g: int, c: StructuralClass, frac: float) -> float:
         return frac * class_counts.get(c, 0) * gsize[g]
 
-    floor_entries = sum(cost(g, c, floors[g][c]) for g in range(policy.n_groups) for c in StructuralClass)
     warnings: list[str] = []
     keep = [dict(f) for f in floors]
-    residual = target - floor_entries
-    if residual < -1e-9:
-        need = floor_entries / full if full else 1.0
-        lowered = _lower_floors(floors, policy.never_evict, cost, floor_entries - target, policy.n_groups)
-        keep = [dict(f) for f in floors]
-        warnings.append(
-            f"protection floors alone need {need:.3f} of full KV, above the budget {budget:.3f}: "
-            f"lowered the floors of {', '.join(c.value for c in lowered)} to hold it"
-        )
-    elif residual > 0:
-        cells = [(g, c) for g in range(policy.n_groups) for c in StructuralClass
-                 if class_counts.get(c, 0) > 0 and floors[g][c] < 1.0 and policy.weights[g].get(c, 0.0) > 0]
-        keep = _water_fill(cells, floors, [dict(w) for w in policy.weights], class_counts, gsize, residual)
-        left = residual - sum(cost(g, c, keep[g][c] - floors[g][c]) for g, c in cells)
-        # Capacity still unused (every weighted cell is whole): spread it evenly over the cells
-        # the policy gave no weight, so PASK never holds less than the budget allows.
-        rest = [(g, c) for g in range(policy.n_groups) for c in StructuralClass
-                if class_counts.get(c, 0) > 0 and keep[g][c] < 1.0 and (g, c) not in cells]
-        if left > 1e-9 and rest:
-            uniform = [{c: 1.0 for c in StructuralClass} for _ in range(policy.n_groups)]
-            keep = _water_fill(rest, keep, uniform, class_counts, gsize, left)
+    if policy.group_budget is None:  # one allocation over every (group, class) cell
+        parts = [(list(range(policy.n_groups)), target)]
+    else:  # each group its own share of the budget (the measured curves), then its own allocation
+        shares = group_keep(policy.group_budget, budget, gsize)
+        parts = [([g], shares[g] * n_tokens * gsize[g]) for g in range(policy.n_groups)]
+    for part, part_target in parts:
+        need = sum(cost(g, c, floors[g][c]) for g in part for c in StructuralClass)  # before any lowering
+        lowered = _allocate(part, keep, floors, policy, class_counts, gsize, cost, part_target)
+        if not lowered:
+            continue
+        names = ", ".join(c.value for c in lowered)
+        if policy.group_budget is None:
+            warnings.append(f"protection floors alone need {need / full if full else 1.0:.3f} of full KV, above "
+                            f"the budget {budget:.3f}: lowered the floors of {names} to hold it")
+        else:
+            g = part[0]
+            share = part_target / (n_tokens * gsize[g]) if n_tokens * gsize[g] else 1.0
+            warnings.append(f"protection floors alone need {need / (n_tokens * gsize[g]):.3f} of group {g}'s full "
+                            f"KV, above its share {share:.3f} of the budget {budget:.3f}: lowered the floors of "
+                            f"{names} to hold it")
 
     granted = sum(cost(g, c, keep[g][c]) for g in range(policy.n_groups) for c in StructuralClass)
     capacity = [0] * policy.n_layer
@@ -107,21 +110,51 @@ def compile_policy(policy: Policy, budget: float, class_counts: Mapping[Structur
                           warnings=warnings)
 
 
+def _allocate(part: list[int], keep: list[dict[StructuralClass, float]],
+              floors: list[dict[StructuralClass, float]], policy: Policy, class_counts: Mapping[StructuralClass, int],
+              gsize: list[float], cost, target: float) -> list[StructuralClass]:
+    """Fill ``keep[g]`` for the groups of ``part`` with ``target`` entries: the floors (lowered in place,
+    least protective class first, when they alone exceed it), then the rest water-filled by weight,
+    then what is still unused spread evenly over the cells without weight. Returns the lowered classes."""
+    floor_entries = sum(cost(g, c, floors[g][c]) for g in part for c in StructuralClass)
+    residual = target - floor_entries
+    lowered: list[StructuralClass] = []
+    if residual < -1e-9:
+        lowered = _lower_floors(floors, policy.never_evict, cost, floor_entries - target, part)
+        for g in part:
+            keep[g] = dict(floors[g])
+    elif residual > 0:
+        cells = [(g, c) for g in part for c in StructuralClass
+                 if class_counts.get(c, 0) > 0 and floors[g][c] < 1.0 and policy.weights[g].get(c, 0.0) > 0]
+        filled = _water_fill(cells, floors, [dict(w) for w in policy.weights], class_counts, gsize, residual)
+        left = residual - sum(cost(g, c, filled[g][c] - floors[g][c]) for g, c in cells)
+        # Capacity still unused (every weighted cell is whole): spread it evenly over the cells
+        # the policy gave no weight, so PASK never holds less than the budget allows.
+        rest = [(g, c) for g in part for c in StructuralClass
+                if class_counts.get(c, 0) > 0 and filled[g][c] < 1.0 and (g, c) not in cells]
+        if left > 1e-9 and rest:
+            uniform = [{c: 1.0 for c in StructuralClass} for _ in range(policy.n_groups)]
+            filled = _water_fill(rest, filled, uniform, class_counts, gsize, left)
+        for g in part:
+            keep[g] = filled[g]
+    return lowered
+
+
 def _lower_floors(floors: list[dict[StructuralClass, float]], never: Sequence[StructuralClass], cost,
-                  excess: float, n_groups: int) -> list[StructuralClass]:
+                  excess: float, part: list[int]) -> list[StructuralClass]:
     """Lower ``floors`` in place by ``excess`` entries, least protective class first (a class in all
-    groups at once, scaled by one factor; the last class touched only as far as needed)."""
+    groups of ``part`` at once, scaled by one factor; the last class touched only as far as needed)."""
     lowered = []
     for c in reversed(PROTECTION_ORDER):
         if excess <= 1e-9:
             break
         if c in never:
             continue
-        have = sum(cost(g, c, floors[g][c]) for g in range(n_groups))
+        have = sum(cost(g, c, floors[g][c]) for g in part)
         if have <= 0:
             continue
         scale = max(0.0, 1.0 - excess / have)
-        for g in range(n_groups):
+        for g in part:
             floors[g][c] *= scale
         excess -= have * (1.0 - scale)
         lowered.append(c)

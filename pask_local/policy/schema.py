@@ -17,6 +17,7 @@ from typing import Any
 from ..classes import StructuralClass
 from ..errors import PaskError
 from ..jsonfile import read_json_file
+from .groups import GroupCurves
 
 FORMAT_VERSION = 1
 KINDS = ("hand-written", "calibrated", "mapped")
@@ -45,8 +46,11 @@ class Policy:
     never_evict: tuple[StructuralClass, ...] = (StructuralClass.SINK,)
     provenance: dict[str, Any] = field(default_factory=dict)
     residual: str = "weights"
+    group_budget: GroupCurves | None = None  # per-group sensitivity curves: how the budget is split (policy/groups)
 
     def __post_init__(self) -> None:
+        if self.group_budget is not None and len(self.group_budget.dnll) != len(self.groups):
+            raise PolicyError(f"group_budget has {len(self.group_budget.dnll)} curves for {len(self.groups)} groups")
         if self.residual not in RESIDUALS:
             raise PolicyError(f"residual must be one of {', '.join(RESIDUALS)}, got {_show(self.residual)}")
         if self.residual == "attention" and self.within_class_order != "attention":
@@ -76,7 +80,7 @@ class Policy:
 
     # --- (de)serialisation ---
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": "pask-policy",
             "version": FORMAT_VERSION,
             "kind": self.kind,
@@ -89,6 +93,9 @@ class Policy:
             "weights": [{c.value: v for c, v in w.items()} for w in self.weights],
             "provenance": self.provenance,
         }
+        if self.group_budget is not None:
+            out["group_budget"] = self.group_budget.to_json()
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -125,9 +132,11 @@ class Policy:
         provenance = data.get("provenance", {})
         if not isinstance(provenance, dict):
             raise PolicyError(f"{source}: provenance must be an object")
+        curves = _group_curves(data.get("group_budget"), len(groups), source)
         try:  # residual: checked by the constructor
             return cls(groups=groups, floors=floors, weights=weights, kind=kind, within_class_order=order,
-                       never_evict=never, provenance=dict(provenance), residual=data.get("residual", "weights"))
+                       never_evict=never, provenance=dict(provenance), residual=data.get("residual", "weights"),
+                       group_budget=curves)
         except PolicyError as exc:
             raise PolicyError(f"{source}: {exc}") from None
 
@@ -151,6 +160,29 @@ def _cls(value: Any, source: str, where: str) -> StructuralClass:
         return StructuralClass(value)
     except (ValueError, TypeError):
         raise PolicyError(f"{source}: unknown structural class {_show(value)} in {where}") from None
+
+
+def _group_curves(raw: Any, n_groups: int, source: str) -> GroupCurves | None:
+    """The optional ``group_budget`` object: increasing levels in (0, 1), one finite curve per group."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("levels"), list) or not isinstance(raw.get("dnll"), list):
+        raise PolicyError(f"{source}: group_budget must be an object with lists 'levels' and 'dnll'")
+    levels = raw["levels"]
+    if not levels or len(levels) > 32 or not all(_finite(v) and 0 < v < 1 for v in levels) or any(
+            b <= a for a, b in zip(levels, levels[1:], strict=False)):
+        raise PolicyError(f"{source}: group_budget.levels must be 1-32 increasing numbers in (0, 1), "
+                          f"got {_show(levels)}")
+    curves = raw["dnll"]
+    if len(curves) != n_groups or not all(
+            isinstance(c, list) and len(c) == len(levels) and all(_finite(v) for v in c) for c in curves):
+        raise PolicyError(f"{source}: group_budget.dnll must hold one list of {len(levels)} finite numbers "
+                          f"per group ({n_groups})")
+    return GroupCurves(tuple(float(v) for v in levels), tuple(tuple(float(v) for v in c) for c in curves))
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _class_tables(raw: Any, n_groups: int, source: str, name: str,
