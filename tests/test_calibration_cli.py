@@ -84,6 +84,7 @@ def test_calibrate_writes_a_policy_and_resumes_from_its_cache(synth, tmp_path):
     ({"signal": "torch"}, "--signal"),
     ({"keep": 0.2}, "--keep needs --signal native"),
     ({"signal": "native", "keep": 1.0}, "--keep must be in"),
+    ({"group_curves": True}, "--group-curves needs --signal native"),
 ])
 def test_bad_input_is_a_one_line_error(synth, tmp_path, kwargs, match):
     out = tmp_path / kwargs.pop("out_name", "p.json")
@@ -147,3 +148,28 @@ def test_native_signal_writes_a_policy_weighted_by_dnll_and_keeps_its_own_cache(
     # a reference-signal run may not reuse the native cache
     with pytest.raises(CalibrationError, match="other settings"):
         run(synth, out, 1)
+
+
+def test_group_curves_are_measured_for_cached_cases_and_split_the_budget(synth, tmp_path):
+    """--group-curves adds, to cases already measured, each group's NLL increase at every level (the
+    prior's keep set in that group only), and the policy carries their means as its group_budget."""
+    from pask_local.calibration.native_signals import GROUP_LEVELS
+    from pask_local.policy.compile import compile_policy
+
+    out = tmp_path / "g.json"
+    run(synth, out, 2, signal="native", keep=0.2)
+    cache = tmp_path / "g.cases.jsonl"
+    assert not any("group_curves" in r for r in measured_lines(cache))
+    pol = run(synth, out, 2, signal="native", keep=0.2, group_curves=True)
+    latest = {r["id"]: r for r in measured_lines(cache)}
+    assert len(latest) == 2 and all(len(r["group_curves"]) == 2 * len(GROUP_LEVELS) for r in latest.values())
+    assert pol.group_budget is not None and pol.group_budget.levels == GROUP_LEVELS
+    for g in range(2):
+        for i, k in enumerate(GROUP_LEVELS):
+            cells = [c["dnll"] for r in latest.values() for c in r["group_curves"] if c["group"] == g and c["keep"] == k]
+            assert pol.group_budget.dnll[g][i] == pytest.approx(sum(cells) / len(cells))
+    assert pol.provenance["group_budget"]["n_cases"] == 2
+    assert Policy.load(out).group_budget == pol.group_budget
+    # the compiled capacities follow the curves (equal curves would give equal capacities)
+    comp = compile_policy(pol, 0.2, {StructuralClass.QUERY: 50, StructuralClass.DESCRIPTION: 150})
+    assert sum(comp.layer_capacity) == pytest.approx(0.2 * 200 * sum(len(g) for g in pol.groups), rel=0.05)
