@@ -154,6 +154,7 @@ def test_group_curves_are_measured_for_cached_cases_and_split_the_budget(synth, 
     """--group-curves adds, to cases already measured, each group's NLL increase at every level (the
     prior's keep set in that group only), and the policy carries their means as its group_budget."""
     from pask_local.calibration.native_signals import GROUP_LEVELS
+
     from pask_local.policy.compile import compile_policy
 
     out = tmp_path / "g.json"
