@@ -148,7 +148,7 @@ BUNDLE_INFO_NAME = "pask_bundle.json"
 BUNDLE_DROP = (".git", "docker", "docs", "examples", "tests", "vendor/llama.cpp/models", "vendor/llama.cpp/docs",
                "vendor/llama.cpp/media", "vendor/llama.cpp/benches", "vendor/llama.cpp/examples",
                "vendor/llama.cpp/pocs", "vendor/llama.cpp/tests", "vendor/llama.cpp/gguf-py",
-               "vendor/llama.cpp/conversion", "vendor/llama.cpp/tools", "vendor/llama.cpp/app",
+               "vendor/llama.cpp/conversion", "vendor/llama.cpp/tools",
                "vendor/llama.cpp/ci", "vendor/llama.cpp/skills", "vendor/llama.cpp/requirements",
                "vendor/llama.cpp/grammars", "vendor/llama.cpp/scripts",
                "vendor/llama.cpp/.github", "vendor/llama.cpp/.devops")
