@@ -136,6 +136,10 @@ def calibrate_command(
                                                "group, the NLL increase when that group alone keeps 5-50% of the "
                                                "prompt, and split every budget between the groups by these curves "
                                                "(pask_local/policy/groups.py)")] = False,
+    group_min_share: Annotated[float, typer.Option("--group-min-share", help="with --group-curves: no group "
+                                                   "keeps less than this fraction of the budget (the groups are "
+                                                   "measured one at a time; their errors do not simply add up)")
+                               ] = 0.5,
     quiet: Annotated[bool, typer.Option("--quiet", help="no progress or tables")] = False,
 ) -> Policy:
     """Measure calibration signals on BFCL's calib split and write a calibrated policy (resumable).
@@ -183,6 +187,8 @@ def calibrate_command(
         raise CalibrationError("--keep needs --signal native")
     if group_curves and signal != "native":
         raise CalibrationError("--group-curves needs --signal native")
+    if not 0 <= group_min_share <= 1:
+        raise CalibrationError(f"--group-min-share must be in [0, 1], got {group_min_share:g}")
     if prompt_style not in ENGINE_STYLES:
         raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
@@ -275,13 +281,15 @@ def calibrate_command(
         "prompt_style": style,
         "command": (f"pask-local calibrate --gguf {path.name} --categories {','.join(dict.fromkeys(c.category for c in pool))} "
                     f"--cases {cases} --groups {groups} --max-tokens {max_tokens} --prompt-style {style}"
-                    + (f" --signal native --keep {keep:g}" if signal == "native" else "")),
+                    + (f" --signal native --keep {keep:g}" if signal == "native" else "")
+                    + (f" --group-curves --group-min-share {group_min_share:g}" if group_curves else "")),
     }
     if signal == "native":
         provenance.update(signal="native (llama.cpp, one prefill per case; calibration/native_signals.py)",
                           keep=keep)
         del provenance["chunk"], provenance["reference_dtype"]
-    policy = fit_policy(records, layer_groups, rule, provenance, group_curves=group_curves)
+    policy = fit_policy(records, layer_groups, rule, provenance, group_curves=group_curves,
+                        group_min_share=group_min_share)
     policy.save(out)
     measured, fitted = summary_rows(policy)
     per_token = "dNLL per evicted token" if signal == "native" else "distortion per evicted token"

@@ -26,6 +26,7 @@ the floors by these weights (``pask_local.policy.compile``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -162,9 +163,10 @@ def fit_group_curves(records: Sequence[dict[str, Any]], n_groups: int) -> tuple[
 
 
 def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule: FitRule,
-               provenance: dict[str, Any], group_curves: bool = False) -> Policy:
+               provenance: dict[str, Any], group_curves: bool = False, group_min_share: float = 0.0) -> Policy:
     """The calibrated Policy (see the module docstring for the rules); ``group_curves``: with the mean
-    group budget curves of the records (``fit_group_curves``) as its ``group_budget``."""
+    group budget curves of the records (``fit_group_curves``) as its ``group_budget``, no group below
+    ``group_min_share`` times the budget."""
     rule.check()
     if not records:
         raise FitError("no measured cases to fit a policy from")
@@ -235,8 +237,10 @@ def fit_policy(records: Sequence[dict[str, Any]], groups: list[list[int]], rule:
         if fitted is None:
             raise FitError("no measured group curves to fit (calibrate --group-curves measures them)")
         curves, n_curves = fitted
+        curves = dataclasses.replace(curves, min_share=group_min_share)
         prov["group_budget"] = {"n_cases": n_curves, "measured_with": "the hand-written prior's rule, one group "
-                                "at a time (calibration/native_signals.py: measure_group_curves)"}
+                                "at a time (calibration/native_signals.py: measure_group_curves)",
+                                "min_share": group_min_share}
     return Policy(groups=groups, floors=floors, weights=[{c: round(w, 4) for c, w in t.items()} for t in weights],
                   kind="calibrated", within_class_order=WITHIN_CLASS_ORDER, never_evict=NEVER_EVICT,
                   provenance=prov, group_budget=curves)

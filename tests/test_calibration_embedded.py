@@ -74,3 +74,29 @@ def test_other_models_get_the_prior_with_a_notice(tmp_path, arch, n_layer):
     assert warning and "hand-written prior" in warning and path.name in warning
     assert chosen.floors == handwritten_policy(n_layer).floors
     chosen.check_model(n_layer)
+
+
+def test_shipped_qwen_policy_is_calibrated_and_splits_the_budget_by_group():
+    # the policy shipped for Qwen2.5-Coder-1.5B (matched by the registry's sha256 of its joined GGUF):
+    # fitted from >= 100 calib cases, with measured group curves and no group below half the budget
+    from pask_local.model_registry import MODELS
+    from pask_local.policy import compile_policy
+
+    sha = MODELS["qwen2.5-coder-1.5b"].sha256
+    mine = [p for p in shipped_policies() if p.provenance.get("model_sha256") == sha]
+    assert len(mine) == 1
+    pol = mine[0]
+    assert pol.kind == "calibrated" and pol.n_layer == 28 and pol.provenance["split"] == "calib"
+    assert pol.provenance["n_cases"] >= 100 and pol.group_budget is not None
+    assert pol.group_budget.min_share == 0.5
+    counts = {C.SINK: 1, C.TEMPLATE: 60, C.TOOL_NAME: 4, C.PARAM_REQUIRED: 6, C.PARAM_TYPE: 8,
+              C.DESCRIPTION: 50, C.SCHEMA_PUNCT: 70, C.QUERY: 20}
+    for budget in (0.33, 0.2, 0.1):
+        out = compile_policy(pol, budget, counts)
+        assert out.granted_entries <= budget * out.full_entries * 1.02
+        n = sum(counts.values())
+        for layers in pol.groups:
+            # every layer of a group holds at least half the budget's share of the prompt
+            assert min(out.layer_capacity[il] for il in layers) >= 0.5 * budget * n - 1
+        # the later groups (the sensitive ones, by the curves) get more than the first
+        assert out.layer_capacity[-1] > out.layer_capacity[0]

@@ -176,6 +176,40 @@ def test_group_keep_meets_the_budget_and_favours_the_sensitive_group():
     assert group_keep(_curves(flat, steep), 1.0, [4, 4]) == [1.0, 1.0]
 
 
+def test_group_keep_never_gives_a_group_less_than_its_minimum_share():
+    import dataclasses
+
+    from pask_local.policy.groups import group_keep
+
+    flat = [0.0, 0.0, 0.0, 0.0, 0.0]
+    steep = [2.0, 1.5, 0.8, 0.3, 0.1]
+    free = group_keep(_curves(flat, flat, steep, steep), 0.2, [7, 7, 7, 7])
+    assert free[0] == pytest.approx(0.05)  # unconstrained, the insensitive groups drop to the lowest level
+    for m in (0.5, 0.75):
+        k = group_keep(dataclasses.replace(_curves(flat, flat, steep, steep), min_share=m), 0.2, [7, 7, 7, 7])
+        assert min(k) >= m * 0.2 - 1e-9, (m, k)
+        assert sum(7 * x for x in k) == pytest.approx(0.2 * 28, rel=1e-6)
+        assert max(k[0], k[1]) < min(k[2], k[3])
+    # a minimum share of 1: every group keeps the budget itself
+    one = dataclasses.replace(_curves(flat, steep), min_share=1.0)
+    assert group_keep(one, 0.2, [4, 4]) == [0.2, 0.2]
+
+
+def test_group_min_share_round_trips_and_bad_values_are_refused(tmp_path):
+    import dataclasses
+
+    pol = _policy({}, {(g, C.DESCRIPTION): 1.0 for g in range(2)})
+    pol.group_budget = dataclasses.replace(_curves([0.1] * 5, [0.2] * 5), min_share=0.5)
+    pol.save(tmp_path / "p.json")
+    assert Policy.load(tmp_path / "p.json").group_budget.min_share == 0.5
+    data = json.loads((tmp_path / "p.json").read_text())
+    for bad in (-0.1, 1.5, "half", None):
+        data["group_budget"]["min_share"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(data))
+        with pytest.raises(PolicyError, match="min_share"):
+            Policy.load(tmp_path / "bad.json")
+
+
 def test_group_curves_are_interpolated_and_never_rise():
     c = _curves([0.5, 0.6, 0.2, 0.25, 0.0])  # two measured rises: noise, flattened
     assert c.error(0, 0.01) == 0.5 and c.error(0, 0.1) == 0.5

@@ -178,7 +178,11 @@ def _group_curves(raw: Any, n_groups: int, source: str) -> GroupCurves | None:
             isinstance(c, list) and len(c) == len(levels) and all(_finite(v) for v in c) for c in curves):
         raise PolicyError(f"{source}: group_budget.dnll must hold one list of {len(levels)} finite numbers "
                           f"per group ({n_groups})")
-    return GroupCurves(tuple(float(v) for v in levels), tuple(tuple(float(v) for v in c) for c in curves))
+    min_share = raw.get("min_share", 0.0)
+    if not _finite(min_share) or not 0 <= min_share <= 1:
+        raise PolicyError(f"{source}: group_budget.min_share must be a number in [0, 1], got {_show(min_share)}")
+    return GroupCurves(tuple(float(v) for v in levels), tuple(tuple(float(v) for v in c) for c in curves),
+                       float(min_share))
 
 
 def _finite(v: Any) -> bool:
