@@ -107,3 +107,50 @@ def test_other_samplers_are_refused() -> None:
     assert fns["accept"](vp, m.bos) == -1
     assert fns["n_rules"](None) == -1
     raw.llama_sampler_free(greedy)
+
+
+# every byte sequence here is fed one byte-token at a time; the oracle is Python's UTF-8 decoder
+UTF8_CASES = [
+    b"\xf0\x90\x80\x80", b"\xe2\x80\x80", b"\xed\x9f\xbf", b"\xf4\x8f\xbf\xbf", b"\xc2\xa9",  # well-formed
+    b"\xf0\x82\x80\x80",  # overlong U+2000 (upstream matched it as U+2000)
+    b"\xe0\x80\x80", b"\xc0\x80", b"\xc1\xbf",                  # overlong
+    b"\xed\xa0\x80",                                            # a surrogate
+    b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff",           # above U+10FFFF, invalid leads
+    b"\xe2\x41\x41", b"\x80",                                   # a non-continuation byte, a stray one
+]
+
+
+def _utf8_prefix(prefix: bytes) -> bool:
+    """Oracle: some completion of ``prefix`` is well-formed UTF-8 by Python's (whole-string) decoder; the
+    constraints bind the second byte only, so completing with a few continuation bytes finds one if any."""
+    import itertools
+
+    for k in range(4):
+        for tail in itertools.product((0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF), repeat=k):
+            try:
+                (prefix + bytes(tail)).decode("utf-8")
+                return True
+            except UnicodeDecodeError:
+                pass
+    return False
+
+
+@pytest.mark.parametrize("seq", UTF8_CASES, ids=lambda s: s.hex())
+def test_grammar_accepts_only_well_formed_utf8(seq: bytes) -> None:
+    # patch 0008: a byte is accepted inside a free string iff the bytes so far are a prefix of well-formed
+    # UTF-8, so a grammar never lets invalid bytes through
+    from pask_local._byte_tokens import byte_tokens
+
+    m = gemma()
+    bt = byte_tokens(m, full=True)
+    st = GrammarState(m.vocab, 'root ::= "\\"" [^"\\\\]* "\\""\n')
+    st.accept(bt[ord('"')])
+    for i, b in enumerate(seq):
+        assert bt[b] >= 0, f"no byte token for {b:#x}"
+        valid = _utf8_prefix(seq[:i + 1])
+        assert st.accepts(bt[b]) == valid, (seq.hex(), i)
+        if not valid:
+            break
+        st.accept(bt[b])
+    else:  # a whole well-formed character: the string can close
+        assert st.accepts(bt[ord('"')])
