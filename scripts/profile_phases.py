@@ -40,10 +40,17 @@ _LINE = re.compile(r"^\s*([\d.]+)%\s+(\d+)\s+(\S+)\s+\[(.)\]\s+(.*?)\s*$")
 EDGE = 0.03  # each phase window is shrunk by this fraction at both ends (the boundaries are approximate)
 
 
+def record_argv(data: Path, freq: int) -> list[str]:
+    """``perf record`` writing ``data`` at ``freq`` Hz, stamped with CLOCK_MONOTONIC (the child's phase clock)."""
+    return ["perf", "record", "-q", "-F", str(freq), "-k", "CLOCK_MONOTONIC", "-o", str(data)]
+
+
 def add_symbols() -> int:
     """Offer perf the unstripped libraries of the cached builds (it keeps those whose build id it sees)."""
+    from pask_local.models import cache_dir
+
     n = 0
-    for lib in sorted(Path.home().glob(".cache/pask-local/build/*/bin/lib*.so.*.*.*")):
+    for lib in sorted((cache_dir() / "build").glob("*/bin/lib*.so.*.*.*")):
         ok = subprocess.run(["perf", "buildid-cache", "-u", str(lib)], capture_output=True).returncode == 0
         n += ok
     return n
@@ -134,8 +141,7 @@ def main() -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "perf.data"
-        proc = subprocess.run(["perf", "record", "-q", "-F", str(args.freq), "-k", "CLOCK_MONOTONIC", "-o", str(data),
-                               sys.executable, __file__, "--one", json.dumps(spec)],
+        proc = subprocess.run([*record_argv(data, args.freq), sys.executable, __file__, "--one", json.dumps(spec)],
                               capture_output=True, text=True, env={**os.environ})
         if proc.returncode != 0 or not data.is_file():
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

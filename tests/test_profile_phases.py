@@ -55,8 +55,8 @@ def test_windows_split_a_real_recording(tmp_path):
              "while time.clock_gettime(c) < b + 0.6: x += 1\n"
              "print(json.dumps([a, b, time.clock_gettime(c)]))\n")
     data = tmp_path / "perf.data"
-    proc = subprocess.run(["perf", "record", "-q", "-F", "999", "-k", "CLOCK_MONOTONIC", "-o", str(data),
-                           sys.executable, "-c", child], capture_output=True, text=True, check=True)
+    proc = subprocess.run([*profile.record_argv(data, 999), sys.executable, "-c", child], capture_output=True,
+                          text=True, check=True)
     a, b, c = json.loads(proc.stdout.strip().splitlines()[-1])
     sleeping = profile.phase_shares(data, [a, b], top=4)
     spinning = profile.phase_shares(data, [b, c], top=4)
