@@ -14,6 +14,10 @@ directory resumes an interrupted run, so rerunning the same command continues th
 larger ``--limit`` adds cases. At the end the records are merged (``pask_local.eval.study``) on the
 cases every run holds: ``OUT/study.json``, ``OUT/study.md``, ``OUT/study.png``.
 
+With ``--fidelity`` after ``--`` every run is a job of its own (teacher-forced runs do not share a
+prefill) and all jobs share Full KV's references in ``OUT/fidelity_ref`` (computed once per case,
+under a lock); the table adds the fidelity columns and their pairing with the best baseline.
+
     .venv/bin/python scripts/eval_study.py --model qwen2.5-coder-1.5b --limit 5 --jobs 2 \\
         --methods full,streaming,h2o,snapkv,pyramidkv,tova,pask-prior,pask-hybrid --budgets 0.33,0.2,0.1 \\
         --out results/study -- --max-tokens 128
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pask_local.errors import PaskError
+from pask_local.eval.fidelity import REF_DIR
 from pask_local.eval.study import build_study, load_dirs, markdown, plot
 
 
@@ -43,8 +48,11 @@ class Job:
     budgets: tuple[str, ...]
 
 
-def plan_jobs(model_path: Path, methods: list[str], budgets: list[str]) -> list[Job]:
-    """Jobs in the order workers take them: the shared-prefill job first, then one per run."""
+def plan_jobs(model_path: Path, methods: list[str], budgets: list[str], share: bool = True) -> list[Job]:
+    """Jobs in the order workers take them: the shared-prefill job first, then one per run.
+
+    ``share=False`` (a ``--fidelity`` study: its teacher-forced runs cannot share a prefill) gives
+    every (method, budget) a job of its own, so the workers stay balanced."""
     from pask_local.engine import make_method
     from pask_local.engine.shared import shares_prefill
     from pask_local.llm import Model
@@ -58,7 +66,7 @@ def plan_jobs(model_path: Path, methods: list[str], budgets: list[str]) -> list[
         kinds = {m: make_method(m, model) for m in dict.fromkeys(methods)}
     finally:
         model.close()
-    shared = tuple(m for m, k in kinds.items() if shares_prefill(k) and not k.keeps_all)
+    shared = tuple(m for m, k in kinds.items() if share and shares_prefill(k) and not k.keeps_all)
     if len(shared) * len(budgets) < 2:  # one run shares nothing: it is a job like any other
         shared = ()
     jobs = [Job("shared", shared, tuple(budgets))] if shared else []
@@ -143,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         if args.jobs < 1:
             raise PaskError(f"--jobs must be >= 1, got {args.jobs}")
-        jobs = plan_jobs(path, methods, budgets)
+        fidelity = "--fidelity" in args.extra
+        jobs = plan_jobs(path, methods, budgets, share=not fidelity)
         base = ["--gguf", str(path), "--split", args.split, *args.extra]
+        if fidelity and not any(a.startswith("--fidelity-refs") for a in args.extra):
+            base += ["--fidelity-refs", str(args.out / REF_DIR)]  # Full KV's references, one per case for all jobs
         if args.limit is not None:
             base += ["--limit", str(args.limit)]
         if args.categories:

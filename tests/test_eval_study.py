@@ -64,6 +64,38 @@ def test_merged_study_keeps_common_cases_and_pairs_with_the_best_baseline(tmp_pa
     assert "| 0.2 | streaming | pask-prior | +33.3 | 2/0 |" in md
 
 
+def _fid(kl: float, gold_nll: float | None, n: int = 10) -> dict:
+    return {"n": n, "kl": kl, "top1": 1.0 - kl, "groups": {"name": {"n": n, "kl": kl, "top1": 1.0 - kl}},
+            "gold_n": 5 if gold_nll is not None else 0, "gold_nll": gold_nll,
+            "gold_nll_full": 0.5 if gold_nll is not None else None}
+
+
+def test_fidelity_records_add_pooled_fidelity_and_a_per_case_pairing(tmp_path):
+    recs = []
+    # per case KL: snapkv 0.2 everywhere; pask-prior lower on c0-c2, higher on c3; c4 has no gold call
+    for i, kl in enumerate((0.1, 0.1, 0.1, 0.3, 0.1)):
+        gold = None if i == 4 else 0.9
+        recs += [{**_rec(f"c{i}", "simple", "full", None, True, f"f{i}"), "fidelity": _fid(0.0, None if i == 4 else 0.5)},
+                 {**_rec(f"c{i}", "simple", "snapkv", 0.2, True), "fidelity": _fid(0.2, gold)},
+                 {**_rec(f"c{i}", "simple", "pask-prior", 0.2, i != 3),
+                  "fidelity": _fid(kl, None if gold is None else (0.7 if i < 2 else 1.2))}]
+    st = build_study(load_dirs([_write(tmp_path / "f", recs)])[1])
+    rows = {r["label"]: r for r in st["runs"]}
+    f = rows["pask-prior@0.2"]["fidelity"]
+    assert f["cases"] == 5 and f["kl"] == pytest.approx(0.14) and f["gold_cases"] == 4
+    assert f["gold_dnll"] == pytest.approx((0.7 * 2 + 1.2 * 2) / 4 - 0.5)
+    (v,) = st["budgets"][0]["pask_vs_best"]
+    assert (v["kl"]["wins"], v["kl"]["losses"], v["kl"]["n"]) == (4, 1, 5)
+    assert v["kl"]["mean_diff"] == pytest.approx(0.14 - 0.2)
+    assert (v["gold_nll"]["wins"], v["gold_nll"]["losses"], v["gold_nll"]["n"]) == (2, 2, 4)
+    assert v["kl"]["p"] == pytest.approx(sign_test(4, 1))
+    md = markdown(st)
+    assert "| pask-prior@0.2 | 5 | 50 | 0.140 | 86.0 | 86.0 |" in md
+    assert "| 0.2 | snapkv | pask-prior | 4/1 | 0.375 | -0.060 | 2/2 | 1.000 | +0.050 |" in md
+    plain = markdown(build_study(load_dirs(list(_table(tmp_path)))[1]))
+    assert "Fidelity" not in plain and "KL" not in plain  # an accuracy-only study's table is unchanged
+
+
 def test_a_run_subset_changes_the_common_cases(tmp_path):
     _, records = load_dirs(list(_table(tmp_path)))
     st = build_study(records, [("full", "full"), ("snapkv", "0.2"), ("pask-prior", "0.2")])

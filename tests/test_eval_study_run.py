@@ -25,6 +25,10 @@ def test_plan_shares_one_prefill_between_the_compress_after_prefill_methods(gemm
         ("pask-prior-0.33", ("pask-prior",), ("0.33",)), ("pask-prior-0.2", ("pask-prior",), ("0.2",)),
     ]
 
+    # a --fidelity study: teacher-forced runs share no prefill, so every run is a job of its own
+    jobs = study_script.plan_jobs(gemma_path, ["full", "snapkv", "pyramidkv"], ["0.2"], share=False)
+    assert [j.name for j in jobs] == ["full", "snapkv-0.2", "pyramidkv-0.2"]
+
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), "--categories", "simple_python,multiple", "--limit", "1",

@@ -215,3 +215,46 @@ def test_eval_cli_writes_fidelity(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)  # resumed: nothing to do
     assert again.returncode == 0
     assert len((out / "cases.jsonl").read_text().splitlines()) == 4
+
+
+# ------------------------------------------------------------------ references shared between runs
+def _eval_cmd(ds, out, refs, *extra: str) -> list[str]:
+    return [sys.executable, "-c", "from pask_local.cli import main; main()", "eval", "--dataset", str(ds),
+            "--methods", "streaming", "--budgets", "0.2", "--max-tokens", "24", "--no-examples", "--fidelity",
+            "--fidelity-refs", str(refs), "--out", str(out), *extra]
+
+
+def test_concurrent_runs_share_one_reference_per_case(tmp_path):
+    """Two processes started together on the same cases compute each reference once (the lock)."""
+    ds, refs = tmp_path / "ds.jsonl", tmp_path / "refs"
+    write_dataset(ds)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PASK_THREADS": "1"}
+    procs = [subprocess.Popen(_eval_cmd(ds, tmp_path / f"out{i}", refs), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    logs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in logs]
+    counts = []
+    for _, err in logs:
+        line = next(ln for ln in err.splitlines() if ln.startswith("Full KV references:"))
+        computed, reused = (int(w) for w in line.split(":")[1].replace(",", " ").split() if w.isdigit())
+        counts.append((computed, reused))
+    assert sum(c for c, _ in counts) == len(CITIES) and sum(r for _, r in counts) == len(CITIES)
+    assert len(list(refs.glob("*.npz"))) == len(CITIES)
+    a, b = ([json.loads(ln) for ln in (tmp_path / f"out{i}" / "cases.jsonl").read_text().splitlines()]
+            for i in range(2))
+    assert [r["fidelity"]["kl"] for r in a] == [r["fidelity"]["kl"] for r in b]  # the same references
+
+
+def test_shared_references_refuse_other_settings(tmp_path):
+    ds, refs = tmp_path / "ds.jsonl", tmp_path / "refs"
+    write_dataset(ds)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PASK_THREADS": "1"}
+    (refs).mkdir()
+    (refs / "settings.json").write_text(json.dumps({"max_tokens": 99}))
+    r = subprocess.run(_eval_cmd(ds, tmp_path / "out", refs), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "made with other settings" in r.stderr and "max_tokens" in r.stderr
+    assert not (tmp_path / "out" / "cases.jsonl").exists() or not (tmp_path / "out" / "cases.jsonl").read_text()
+    no_fid = [a for a in _eval_cmd(ds, tmp_path / "out2", refs) if a != "--fidelity"]
+    r = subprocess.run(no_fid, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "--fidelity-refs needs --fidelity" in r.stderr and "Traceback" not in r.stderr

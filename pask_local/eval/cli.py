@@ -66,6 +66,10 @@ def eval_command(
                                            "own output: KL(Full || method) and top-1 agreement per generated "
                                            "class, and the gold call's NLL (about 3x the generation time; "
                                            "docs/fidelity.md).")] = False,
+    fidelity_refs: Annotated[Path | None, typer.Option("--fidelity-refs", help="With --fidelity: the directory "
+                                                       "of Full KV's references (default OUT/fidelity_ref). "
+                                                       "Runs in several --out directories can share one.",
+                                                       show_default=False)] = None,
     hysteresis: HysteresisOption = 0.02,
     compact: Annotated[bool, typer.Option("--compact/--no-compact", help="After a one-time compression (SnapKV, "
                                           "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
@@ -105,6 +109,10 @@ def eval_command(
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
     check_device_options(0, hysteresis, kv_type)
+    if fidelity_refs is not None and not fidelity:
+        raise PaskError("--fidelity-refs needs --fidelity")
+    if fidelity_refs is not None and fidelity_refs.exists() and not fidelity_refs.is_dir():
+        raise PaskError(f"--fidelity-refs {fidelity_refs} is not a directory")
     if policy is not None:
         from ..engine.factory import POLICY_METHODS
         from ..policy.schema import Policy
@@ -115,10 +123,10 @@ def eval_command(
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
-                     prompt_style=prompt_style, fidelity=fidelity, hysteresis=hysteresis,
+                     prompt_style=prompt_style, fidelity=fidelity, fidelity_refs=fidelity_refs, hysteresis=hysteresis,
                      compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))
-    extra = ", fidelity.png, fidelity_ref/" if fidelity else ""
+    extra = (", fidelity.png" + ("" if fidelity_refs else ", fidelity_ref/")) if fidelity else ""
     typer.echo(f"results in {out}/ (cases.jsonl, summary.json, results.md, accuracy.png{extra})")

@@ -3,8 +3,8 @@
 For a case, Full KV's reference (``Reference``) is its own greedy output through the engine's
 ``full`` path plus, at every step, its distribution (``forced.RefStep``: top-K log-probs and the
 rest's mass), and the gold call's per-token log-probs under Full KV. It is computed once per case
-and stored in ``--out/fidelity_ref/`` (``ReferenceStore``), so every method of a run (and a rerun)
-reuses it. Each method is then teacher-forced (``forced.ForcedDecoder``) along Full KV's tokens on
+and stored in ``--out/fidelity_ref/`` or ``--fidelity-refs`` (``ReferenceStore``), so every method
+of a run (and a rerun, and other runs given the same directory) reuses it. Each method is then teacher-forced (``forced.ForcedDecoder``) along Full KV's tokens on
 its normal engine path, which gives per step KL(Full || method) and top-1 agreement (the method's
 own constrained greedy choice == Full KV's token), and along the gold call, which gives its NLL.
 
@@ -18,6 +18,7 @@ token-weighted. The gold call is the BFCL reference answer rendered as the gramm
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +39,7 @@ from .prompting import ENGINE_STYLES, Task, make_task, task_plan
 from .reference import reference_calls, unsatisfiable
 
 REF_DIR = "fidelity_ref"
+SETTINGS_FILE = "settings.json"  # what the references depend on (ReferenceStore)
 GROUPS: dict[str, tuple[C, ...]] = {
     "name": (C.GEN_NAME,),
     "key": (C.GEN_KEY,),
@@ -171,20 +173,53 @@ def _safe_name(case_id: str) -> str:
 
 
 class ReferenceStore:
-    """Full KV's references of one output directory, one ``.npz`` per case, computed on first use."""
+    """Full KV's references in one directory, one ``.npz`` per case, computed on first use.
 
-    def __init__(self, out_dir: Path) -> None:
-        self.dir = out_dir / REF_DIR
+    Several processes may share the directory (``pask-local eval --fidelity-refs``, the study's
+    jobs): a case's reference is computed under an exclusive lock on its ``.lock`` file, so the
+    process that comes second waits and loads it instead of computing it again.
+    """
+
+    def __init__(self, ref_dir: Path, settings: dict[str, Any] | None = None) -> None:
+        self.dir = ref_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.computed = 0
+        self.computed = 0  # references this process computed
+        self.loaded = 0    # and the ones it found made (by an earlier run or another process)
+        if settings is not None:
+            self._check_settings(settings)
+
+    def _check_settings(self, settings: dict[str, Any]) -> None:
+        """Refuse a directory whose references were made with other settings; record them otherwise."""
+        path = self.dir / SETTINGS_FILE
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            old = None
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise PaskError(f"{path} is unreadable: use another --fidelity-refs directory") from None
+        if old is not None:
+            diff = sorted(k for k in old.keys() | settings.keys() if old.get(k) != settings.get(k))
+            if diff:
+                raise PaskError(f"{self.dir} holds Full KV references made with other settings "
+                                f"({', '.join(diff)}): use another --fidelity-refs directory")
+            return
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(settings, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(path)
 
     def get(self, case: Case, task: Task, full_engine_of: Any) -> Reference:
         path = self.dir / _safe_name(case.id)
         ref = Reference.load(path) if path.exists() else None
         if ref is None:
-            ref = compute_reference(full_engine_of(), case, task)
-            ref.save(path)
-            self.computed += 1
+            with open(path.with_suffix(".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                ref = Reference.load(path) if path.exists() else None  # made while this process waited
+                if ref is None:
+                    ref = compute_reference(full_engine_of(), case, task)
+                    ref.save(path)
+                    self.computed += 1
+                    return ref
+        self.loaded += 1
         return ref
 
 
@@ -239,8 +274,8 @@ def method_fidelity(engine: Any, case: Case, task: Task, ref: Reference) -> dict
 class FidelityMeter:
     """Measures one case's fidelity for a generator of the run (``rec["fidelity"]``)."""
 
-    def __init__(self, out_dir: Path, use_examples: bool = True) -> None:
-        self.refs = ReferenceStore(out_dir)
+    def __init__(self, ref_dir: Path, use_examples: bool = True, settings: dict[str, Any] | None = None) -> None:
+        self.refs = ReferenceStore(ref_dir, settings)
         self.use_examples = use_examples
 
     def measure(self, case: Case, gen: Any, raw_output: str | None = None) -> dict[str, Any]:

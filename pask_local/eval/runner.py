@@ -29,7 +29,7 @@ from rich.progress import (
 from ..errors import PaskError
 from .checker import score_output
 from .data import Case, load_cases
-from .fidelity import FidelityMeter
+from .fidelity import REF_DIR, FidelityMeter
 from .generator import Generator, GeneratorSpec, SharedPrefillGenerator, check_methods, make_generator
 from .prompting import pick_examples
 from .split import select
@@ -60,6 +60,11 @@ class EvalConfig:
     report_only: bool = False   # rebuild the reports from stored records; generate nothing
     policy: Path | None = None  # a policy file for pask, pask-attn, pask-hybrid, pask-tools (default: the model's)
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
+    fidelity_refs: Path | None = None  # where Full KV's references live (default: out / REF_DIR); shareable
+
+    @property
+    def ref_dir(self) -> Path:
+        return self.fidelity_refs if self.fidelity_refs is not None else self.out / REF_DIR
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -136,6 +141,15 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
     }
 
 
+# the manifest entries Full KV's reference of a case depends on (a shared --fidelity-refs checks them)
+REFERENCE_KEYS = ("model", "model_bytes", "dataset", "max_tokens", "n_ctx", "bfcl_eval", "prompt_style",
+                  "kv_type", "examples")
+
+
+def reference_settings(m: dict[str, Any]) -> dict[str, Any]:
+    return {k: m.get(k) for k in REFERENCE_KEYS}
+
+
 def _policy_id(path: Path | None) -> dict[str, str] | None:
     """What a run's policy file is recorded as: its name and sha256 (None: the models' own)."""
     if path is None:
@@ -208,10 +222,12 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
     runs = runs_of(cfg.methods, cfg.budgets)
     console = console or Console(stderr=True)
     cases = select_cases(cfg, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
-    store = ResultStore(cfg.out, manifest(cfg))
+    run_manifest = manifest(cfg)
+    store = ResultStore(cfg.out, run_manifest)
     pending = {run: [] if cfg.report_only else [c for c in cases if not _done(store, c, run, cfg.fidelity)]
                for run in runs}
-    meter = FidelityMeter(cfg.out, cfg.use_examples) if cfg.fidelity and not cfg.report_only else None
+    meter = (FidelityMeter(cfg.ref_dir, cfg.use_examples, reference_settings(run_manifest))
+             if cfg.fidelity and not cfg.report_only else None)
     total = sum(len(v) for v in pending.values())
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
@@ -239,4 +255,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
                     progress.update(task, advance=1, description=f"{label} acc {n_ok}/{n}")
             finally:
                 gen.close()
+    if meter is not None and (meter.refs.computed or meter.refs.loaded):
+        console.print(f"Full KV references: {meter.refs.computed} computed, {meter.refs.loaded} reused "
+                      f"({meter.refs.dir})", markup=False, highlight=False, soft_wrap=True)
     return store, cases, runs

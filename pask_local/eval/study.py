@@ -6,6 +6,8 @@ same cases), and per budget reports each method's accuracy (the unweighted mean 
 as ``report``), retention (of Full KV on the same cases), agreement with Full KV's output and wall
 seconds, names the best baseline (highest accuracy among the baselines at that budget; ties go to
 the earlier in ``BASELINES``), and pairs every PASK variant against it (wins, losses, sign test).
+Records made with ``--fidelity`` add each run's pooled fidelity (``eval.fidelity.pool``) and, per
+PASK variant, the same pairing on the case's mean KL(Full || method) and gold-call NLL (lower wins).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..engine.factory import PASK_VARIANTS
 from ..errors import PaskError
 from ..methods import BASELINES
 from .data import CATEGORIES
-from .paired import pair
+from .fidelity import pool
+from .paired import pair, sign_test
 from .store import CASES_FILE, LATER_KEYS, RUN_FILE, budget_key
 
 # settings that change how a run is scheduled, not what it generates (engine/shared.py keeps the
@@ -115,7 +118,7 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
                   if isinstance(r.get("stats"), dict) and r["stats"].get("budget_used_final") is not None]
         return {"method": method, "budget": None if bkey == "full" else float(bkey), "label": _label(method, bkey),
                 "accuracy": avg, "categories": per_cat, "seconds": round(sum(r.get("seconds", 0.0) for r in recs), 1),
-                "max_kv_share": max(shares) if shares else None}
+                "max_kv_share": max(shares) if shares else None, "fidelity": pool(recs)}
 
     rows = {r: row(*r) for r in runs}
     full = rows.get(("full", "full"))
@@ -137,14 +140,70 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
             best_recs = [records[(i, best["method"], b)] for i in ids]
             for rw in here:
                 if rw["method"] in PASK_VARIANTS:
-                    p = pair([records[(i, rw["method"], b)] for i in ids], best_recs)
-                    versus.append({"method": rw["method"], "points": round(100 * (rw["accuracy"] - best["accuracy"]), 2),
-                                   **p.as_dict()})
+                    mine = [records[(i, rw["method"], b)] for i in ids]
+                    p = pair(mine, best_recs)
+                    v = {"method": rw["method"], "points": round(100 * (rw["accuracy"] - best["accuracy"]), 2),
+                         **p.as_dict()}
+                    if rw["fidelity"] and best["fidelity"]:
+                        v["kl"] = pair_lower(mine, best_recs, "kl")
+                        v["gold_nll"] = pair_lower(mine, best_recs, "gold_nll")
+                    versus.append(v)
         per_budget.append({"budget": float(b), "best_baseline": best["method"] if best else None,
                            "pask_vs_best": versus})
     return {"n_cases": len(ids), "cases_left_out": len(all_ids) - len(ids), "categories": categories,
             "cases_per_category": {c: sum(1 for i in ids if cat_of[i] == c) for c in categories},
             "runs": [rows[r] for r in runs], "budgets": per_budget}
+
+
+def pair_lower(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]], key: str) -> dict[str, Any]:
+    """On the cases both measured, how often ``a``'s per-case fidelity ``key`` is lower than ``b``'s
+    (``wins``) and higher (``losses``), the exact sign test, and the mean difference a - b."""
+    pairs = []
+    for x, y in zip(a, b, strict=True):
+        fx, fy = x.get("fidelity") or {}, y.get("fidelity") or {}
+        if fx.get(key) is not None and fy.get(key) is not None:
+            pairs.append((fx[key], fy[key]))
+    wins = sum(1 for x, y in pairs if x < y)
+    losses = sum(1 for x, y in pairs if x > y)
+    diff = sum(x - y for x, y in pairs) / len(pairs) if pairs else None
+    return {"n": len(pairs), "wins": wins, "losses": losses, "p": round(sign_test(wins, losses), 4),
+            "mean_diff": diff}
+
+
+def _num(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "" if x is None else format(scale * x, fmt)
+
+
+def fidelity_markdown(study: dict[str, Any]) -> list[str]:
+    """The fidelity table (runs with ``--fidelity`` records) and its pairing with the best baseline."""
+    runs = [r for r in study["runs"] if r.get("fidelity")]
+    if not runs:
+        return []
+    groups = ("name", "key", "value", "punct")
+    lines = ["", "Fidelity, teacher-forced along Full KV's own output (`--fidelity`, docs/fidelity.md): KL = mean "
+             "KL(Full || method) per generated token (nats), top-1 = the method's own constrained choice is Full "
+             "KV's token, per generated class; gold dNLL = the gold call's NLL per token minus Full KV's.", "",
+             "| run | cases | tokens | KL | top-1 % | " + " | ".join(f"top-1 {g} %" for g in groups)
+             + " | gold NLL | gold dNLL |",
+             "|---|---|---|---|---|" + "---|" * len(groups) + "---|---|"]
+    for r in runs:
+        f = r["fidelity"]
+        cells = [str(f["cases"]), str(f["n"]), _num(f["kl"], ".3f"), _num(f["top1"], ".1f", 100),
+                 *(_num((f["groups"].get(g) or {}).get("top1"), ".1f", 100) for g in groups),
+                 _num(f.get("gold_nll"), ".3f"), _num(f.get("gold_dnll"), "+.3f")]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    paired = [(b, v) for b in study["budgets"] for v in b["pask_vs_best"] if "kl" in v]
+    if paired:
+        lines += ["", "Per case, PASK variant vs the best baseline: lower / higher mean KL and gold NLL, "
+                  "exact sign test p, mean difference.", "",
+                  "| budget | best baseline | PASK variant | KL lower/higher | p | mean dKL | "
+                  "gold NLL lower/higher | p | mean dNLL |", "|---|---|---|---|---|---|---|---|---|"]
+        for b, v in paired:
+            k, g = v["kl"], v["gold_nll"]
+            lines.append(f"| {b['budget']:g} | {b['best_baseline']} | {v['method']} | {k['wins']}/{k['losses']} | "
+                         f"{k['p']:.3f} | {_num(k['mean_diff'], '+.3f')} | {g['wins']}/{g['losses']} | {g['p']:.3f} | "
+                         f"{_num(g['mean_diff'], '+.3f')} |")
+    return lines
 
 
 def markdown(study: dict[str, Any]) -> str:
@@ -179,6 +238,7 @@ def markdown(study: dict[str, Any]) -> str:
         for v in b["pask_vs_best"]:
             lines.append(f"| {b['budget']:g} | {b['best_baseline']} | {v['method']} | {v['points']:+.1f} | "
                          f"{v['wins']}/{v['losses']} | {v['p']:.3f} | {v['same_output']}/{v['n']} |")
+    lines += fidelity_markdown(study)
     return "\n".join(lines) + "\n"
 
 
