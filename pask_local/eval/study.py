@@ -78,11 +78,11 @@ def load_dirs(dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[Key, dict[str,
     return manifest, merged
 
 
-def _label(method: str, bkey: str) -> str:
+def run_label(method: str, bkey: str) -> str:
     return method if bkey == "full" else f"{method}@{bkey}"
 
 
-def _run_order(run: tuple[str, str]) -> tuple[int, str, float]:
+def run_order(run: tuple[str, str]) -> tuple[int, str, float]:
     """Full KV, the baselines in ``BASELINES`` order, then the PASK variants; budgets high to low."""
     method, bkey = run
     rank = list(BASELINES).index(method) if method in BASELINES else len(BASELINES)
@@ -91,11 +91,11 @@ def _run_order(run: tuple[str, str]) -> tuple[int, str, float]:
 
 def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, str]] | None = None) -> dict[str, Any]:
     """The study's JSON: per budget the rows, the best baseline and the PASK variants paired with it."""
-    all_runs = sorted({(m, b) for (_, m, b) in records}, key=_run_order)
+    all_runs = sorted({(m, b) for (_, m, b) in records}, key=run_order)
     runs = list(runs) if runs is not None else all_runs
     missing = [r for r in runs if r not in all_runs]
     if missing:
-        raise StudyError("no records for " + ", ".join(_label(*r) for r in missing))
+        raise StudyError("no records for " + ", ".join(run_label(*r) for r in missing))
     if not runs:
         raise StudyError("no records")
     ids_per_run = {r: {i for (i, m, b) in records if (m, b) == r} for r in runs}
@@ -116,7 +116,7 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
         avg = sum(v["correct"] / v["n"] for v in per_cat.values()) / len(per_cat)
         shares = [r["stats"]["budget_used_final"] for r in recs
                   if isinstance(r.get("stats"), dict) and r["stats"].get("budget_used_final") is not None]
-        return {"method": method, "budget": None if bkey == "full" else float(bkey), "label": _label(method, bkey),
+        return {"method": method, "budget": None if bkey == "full" else float(bkey), "label": run_label(method, bkey),
                 "accuracy": avg, "categories": per_cat, "seconds": round(sum(r.get("seconds", 0.0) for r in recs), 1),
                 "max_kv_share": max(shares) if shares else None, "fidelity": pool(recs)}
 
@@ -150,7 +150,7 @@ def build_study(records: dict[Key, dict[str, Any]], runs: Iterable[tuple[str, st
                     versus.append(v)
         per_budget.append({"budget": float(b), "best_baseline": best["method"] if best else None,
                            "pask_vs_best": versus})
-    return {"n_cases": len(ids), "cases_left_out": len(all_ids) - len(ids), "categories": categories,
+    return {"n_cases": len(ids), "case_ids": ids, "cases_left_out": len(all_ids) - len(ids), "categories": categories,
             "cases_per_category": {c: sum(1 for i in ids if cat_of[i] == c) for c in categories},
             "runs": [rows[r] for r in runs], "budgets": per_budget}
 

@@ -1,0 +1,96 @@
+"""Does Full KV's answer fit in the budget? A study's cases split by whether a cache of the budget's
+size can hold the call Full KV generates, with every run's accuracy on both parts.
+
+A method at budget ``b`` holds about ``b * (n_prompt + n_gen)`` entries per layer at the end of a
+case (the budget counts generated tokens too). When Full KV's own answer is longer than that
+(``n_gen > b * (n_prompt + n_gen)``, i.e. the answer is more than ``b`` of the sequence), every
+method must evict part of the call it is writing, whatever it keeps of the prompt: on those cases
+no choice of prompt entries can give Full KV's output. The split says how much of a budget's
+accuracy gap is of that kind. Lengths: ``n_prompt`` from any run's record of the case (the prompt is
+the same for every method), ``n_gen`` Full KV's generated text tokenized again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .study import Key, StudyError, run_label, run_order
+
+Lengths = dict[str, tuple[int, int]]  # case id -> (prompt tokens, Full KV's generated tokens)
+
+
+def answer_lengths(records: dict[Key, dict[str, Any]], ids: Sequence[str],
+                   tokenize: Callable[[str], list[int]]) -> Lengths:
+    """(n_prompt, n_gen) per case: the prompt length any run recorded, Full KV's output re-tokenized."""
+    n_prompt: dict[str, int] = {}
+    for (i, _, _), r in records.items():
+        st = r.get("stats")
+        if isinstance(st, dict) and isinstance(st.get("n_prompt"), int):
+            n_prompt.setdefault(i, st["n_prompt"])
+    out: Lengths = {}
+    for i in ids:
+        full = records.get((i, "full", "full"))
+        if full is None:
+            raise StudyError(f"case {i} has no Full KV record")
+        if i not in n_prompt:
+            raise StudyError(f"no run of case {i} recorded its prompt length")
+        text = (full.get("stats") or {}).get("raw_output", full["output"])
+        out[i] = (n_prompt[i], len(tokenize(text)))
+    return out
+
+
+def fits(n_prompt: int, n_gen: int, budget: float) -> bool:
+    """Whether Full KV's answer is at most ``budget`` of the case's whole sequence."""
+    return n_gen <= budget * (n_prompt + n_gen)
+
+
+def headroom(records: dict[Key, dict[str, Any]], lengths: Lengths) -> dict[str, Any]:
+    """Per budget: the cases whose answer fits and the rest, each run's cases right on both parts."""
+    ids = sorted(lengths)
+    runs = sorted({(m, b) for (_, m, b) in records}, key=run_order)
+    budgets = sorted({b for (_, b) in runs if b != "full"}, key=float, reverse=True)
+
+    def right(run: tuple[str, str], part: list[str]) -> int:
+        return sum(1 for i in part if (i, *run) in records and records[(i, *run)]["valid"])
+
+    per_budget = []
+    for b in budgets:
+        fit = [i for i in ids if fits(*lengths[i], float(b))]
+        rest = [i for i in ids if i not in set(fit)]
+        rows = [{"label": run_label(*r), "method": r[0], "fit_right": right(r, fit), "rest_right": right(r, rest)}
+                for r in runs if r[1] in (b, "full")]
+        per_budget.append({"budget": float(b), "fit": len(fit), "rest": len(rest), "runs": rows,
+                           "rest_by_category": _by_category(records, rest)})
+    gen_share = [g / (p + g) for p, g in lengths.values() if p + g]
+    return {"n_cases": len(ids), "mean_prompt": sum(p for p, _ in lengths.values()) / len(ids),
+            "mean_gen": sum(g for _, g in lengths.values()) / len(ids),
+            "mean_gen_share": sum(gen_share) / len(gen_share), "budgets": per_budget,
+            "lengths": {i: list(v) for i, v in sorted(lengths.items())}}
+
+
+def _by_category(records: dict[Key, dict[str, Any]], ids: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in ids:
+        cat = records[(i, "full", "full")]["category"]
+        out[cat] = out.get(cat, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _pct(k: int, n: int) -> str:
+    return f"{k}/{n} ({100 * k / n:.0f}%)" if n else "-"
+
+
+def markdown(h: dict[str, Any]) -> str:
+    """One table per budget: cases right where Full KV's answer fits the budget and where it does not."""
+    lines = [f"{h['n_cases']} cases; mean prompt {h['mean_prompt']:.0f} tokens, Full KV's answer {h['mean_gen']:.0f} "
+             f"tokens ({100 * h['mean_gen_share']:.0f}% of the sequence on average). A case's answer *fits* budget "
+             "b when it is at most b of the sequence (prompt + answer).", ""]
+    for b in h["budgets"]:
+        cats = ", ".join(f"{c} {n}" for c, n in b["rest_by_category"].items()) or "none"
+        lines += [f"Budget {b['budget']:g}: the answer fits in {b['fit']} cases, not in {b['rest']} ({cats}).", "",
+                  "| run | right where it fits | right where it does not |", "|---|---|---|"]
+        for r in b["runs"]:
+            lines.append(f"| {r['label']} | {_pct(r['fit_right'], b['fit'])} | {_pct(r['rest_right'], b['rest'])} |")
+        lines.append("")
+    return "\n".join(lines)
