@@ -90,7 +90,8 @@ def test_fidelity_records_add_pooled_fidelity_and_a_per_case_pairing(tmp_path):
     assert (v["gold_nll"]["wins"], v["gold_nll"]["losses"], v["gold_nll"]["n"]) == (2, 2, 4)
     assert v["kl"]["p"] == pytest.approx(sign_test(4, 1))
     md = markdown(st)
-    assert "| pask-prior@0.2 | 5 | 50 | 0.140 | 86.0 | 86.0 |" in md
+    assert "| pask-prior@0.2 | 0.14 | 86.0 | 0.950 | +0.450 |" in md  # KL, top-1, gold NLL, gold dNLL
+    assert "| pask-prior@0.2 | 0.14 | 86.0 | 50 | 4 |" in md  # per class (name): KL, top-1; steps, gold cases
     assert "| 0.2 | snapkv | pask-prior | 4/1 | 0.375 | -0.060 | 2/2 | 1.000 | +0.050 |" in md
     plain = markdown(build_study(load_dirs(list(_table(tmp_path)))[1]))
     assert "Fidelity" not in plain and "KL" not in plain  # an accuracy-only study's table is unchanged

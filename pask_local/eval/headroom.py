@@ -12,6 +12,7 @@ the same for every method), ``n_gen`` Full KV's generated text tokenized again.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +58,7 @@ def headroom(records: dict[Key, dict[str, Any]], lengths: Lengths) -> dict[str, 
     per_budget = []
     for b in budgets:
         fit = [i for i in ids if fits(*lengths[i], float(b))]
-        rest = [i for i in ids if i not in set(fit)]
+        rest = [i for i in ids if not fits(*lengths[i], float(b))]
         rows = [{"label": run_label(*r), "method": r[0], "fit_right": right(r, fit), "rest_right": right(r, rest)}
                 for r in runs if r[1] in (b, "full")]
         per_budget.append({"budget": float(b), "fit": len(fit), "rest": len(rest), "runs": rows,
@@ -70,11 +71,7 @@ def headroom(records: dict[Key, dict[str, Any]], lengths: Lengths) -> dict[str, 
 
 
 def _by_category(records: dict[Key, dict[str, Any]], ids: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in ids:
-        cat = records[(i, "full", "full")]["category"]
-        out[cat] = out.get(cat, 0) + 1
-    return dict(sorted(out.items()))
+    return dict(sorted(Counter(records[(i, "full", "full")]["category"] for i in ids).items()))
 
 
 def _pct(k: int, n: int) -> str:

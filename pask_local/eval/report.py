@@ -85,7 +85,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
-def _num(x: float | None, fmt: str = ".3g") -> str:
+def num(x: float | None, fmt: str = ".3g") -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -93,10 +93,11 @@ def _has_fidelity(summary: dict[str, Any]) -> bool:
     return any(r.get("fidelity") for r in summary["runs"])
 
 
-def _fidelity_cells(f: dict[str, Any] | None) -> list[str]:
+def fidelity_cells(f: dict[str, Any] | None) -> list[str]:
+    """A run's pooled fidelity as table cells: KL, top-1 %, gold NLL, gold dNLL."""
     if not f:
         return ["-"] * 4
-    return [_num(f["kl"]), _pct(f["top1"]), _num(f["gold_nll"], ".3f"), _num(f["gold_dnll"], "+.3f")]
+    return [num(f["kl"]), _pct(f["top1"]), num(f["gold_nll"], ".3f"), num(f["gold_dnll"], "+.3f")]
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -107,7 +108,7 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["runs"]:
         cells = [r["label"], *(_pct(r["categories"][c]["accuracy"]) for c in cats), _pct(r["average"]),
-                 *(_fidelity_cells(r.get("fidelity")) if fid else []),
+                 *(fidelity_cells(r.get("fidelity")) if fid else []),
                  "-" if r["retention"] is None else f"{r['retention']:.3f}", _pct(r.get("agreement")), str(r["n"]),
                  f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -129,7 +130,7 @@ def fidelity_markdown(summary: dict[str, Any]) -> list[str]:
     for r in runs:
         f = r["fidelity"]
         per = [f["groups"].get(g) or {} for g in groups]
-        cells = [r["label"], *(_num(p.get("kl")) for p in per), *(_pct(p.get("top1")) for p in per),
+        cells = [r["label"], *(num(p.get("kl")) for p in per), *(_pct(p.get("top1")) for p in per),
                  str(f["n"]), str(f["gold_cases"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Fidelity (teacher-forced along Full KV's own output, `--fidelity`): KL = mean KL(Full || method) "

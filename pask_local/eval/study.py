@@ -23,6 +23,7 @@ from ..methods import BASELINES
 from .data import CATEGORIES
 from .fidelity import pool
 from .paired import pair, sign_test
+from .report import fidelity_cells, fidelity_markdown, num
 from .store import CASES_FILE, LATER_KEYS, RUN_FILE, budget_key
 
 # settings that change how a run is scheduled, not what it generates (engine/shared.py keeps the
@@ -170,28 +171,15 @@ def pair_lower(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]], key: st
             "mean_diff": diff}
 
 
-def _num(x: float | None, fmt: str, scale: float = 1.0) -> str:
-    return "" if x is None else format(scale * x, fmt)
-
-
-def fidelity_markdown(study: dict[str, Any]) -> list[str]:
-    """The fidelity table (runs with ``--fidelity`` records) and its pairing with the best baseline."""
+def study_fidelity_markdown(study: dict[str, Any]) -> list[str]:
+    """The fidelity tables of ``report`` (runs with ``--fidelity`` records) and their pairing with the
+    best baseline."""
     runs = [r for r in study["runs"] if r.get("fidelity")]
     if not runs:
         return []
-    groups = ("name", "key", "value", "punct")
-    lines = ["", "Fidelity, teacher-forced along Full KV's own output (`--fidelity`, docs/fidelity.md): KL = mean "
-             "KL(Full || method) per generated token (nats), top-1 = the method's own constrained choice is Full "
-             "KV's token, per generated class; gold dNLL = the gold call's NLL per token minus Full KV's.", "",
-             "| run | cases | tokens | KL | top-1 % | " + " | ".join(f"top-1 {g} %" for g in groups)
-             + " | gold NLL | gold dNLL |",
-             "|---|---|---|---|---|" + "---|" * len(groups) + "---|---|"]
-    for r in runs:
-        f = r["fidelity"]
-        cells = [str(f["cases"]), str(f["n"]), _num(f["kl"], ".3f"), _num(f["top1"], ".1f", 100),
-                 *(_num((f["groups"].get(g) or {}).get("top1"), ".1f", 100) for g in groups),
-                 _num(f.get("gold_nll"), ".3f"), _num(f.get("gold_dnll"), "+.3f")]
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    lines = ["", "| run | KL | top-1 % | gold NLL | gold dNLL |", "|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | " + " | ".join(fidelity_cells(r["fidelity"])) + " |" for r in runs]
+    lines += ["", *fidelity_markdown(study)]
     paired = [(b, v) for b in study["budgets"] for v in b["pask_vs_best"] if "kl" in v]
     if paired:
         lines += ["", "Per case, PASK variant vs the best baseline: lower / higher mean KL and gold NLL, "
@@ -201,8 +189,8 @@ def fidelity_markdown(study: dict[str, Any]) -> list[str]:
         for b, v in paired:
             k, g = v["kl"], v["gold_nll"]
             lines.append(f"| {b['budget']:g} | {b['best_baseline']} | {v['method']} | {k['wins']}/{k['losses']} | "
-                         f"{k['p']:.3f} | {_num(k['mean_diff'], '+.3f')} | {g['wins']}/{g['losses']} | {g['p']:.3f} | "
-                         f"{_num(g['mean_diff'], '+.3f')} |")
+                         f"{k['p']:.3f} | {num(k['mean_diff'], '+.3f')} | {g['wins']}/{g['losses']} | {g['p']:.3f} | "
+                         f"{num(g['mean_diff'], '+.3f')} |")
     return lines
 
 
@@ -238,7 +226,7 @@ def markdown(study: dict[str, Any]) -> str:
         for v in b["pask_vs_best"]:
             lines.append(f"| {b['budget']:g} | {b['best_baseline']} | {v['method']} | {v['points']:+.1f} | "
                          f"{v['wins']}/{v['losses']} | {v['p']:.3f} | {v['same_output']}/{v['n']} |")
-    lines += fidelity_markdown(study)
+    lines += study_fidelity_markdown(study)
     return "\n".join(lines) + "\n"
 
 
