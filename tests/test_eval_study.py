@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pask_local.eval.paired import pair, sign_test
-from pask_local.eval.study import StudyError, build_study, load_dirs, markdown
+from pask_local.eval.study import StudyError, build_study, load_dirs, markdown, pair_lower
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_table.py"
 MANIFEST = {"model": "m.gguf", "split": "eval", "max_tokens": 128, "share_prefill": True}
@@ -93,6 +93,12 @@ def test_fidelity_records_add_pooled_fidelity_and_a_per_case_pairing(tmp_path):
     assert "| pask-prior@0.2 | 0.14 | 86.0 | 0.950 | +0.450 |" in md  # KL, top-1, gold NLL, gold dNLL
     assert "| pask-prior@0.2 | 0.14 | 86.0 | 50 | 4 |" in md  # per class (name): KL, top-1; steps, gold cases
     assert "| 0.2 | snapkv | pask-prior | 4/1 | 0.375 | -0.060 | 2/2 | 1.000 | +0.050 |" in md
+    tie = [{"fidelity": _fid(0.2, 0.9)}, {"fidelity": _fid(0.1, None)}, {"fidelity": None}]
+    base = [{"fidelity": _fid(0.2, 0.8)}, {"fidelity": _fid(0.3, 0.5)}, {"fidelity": _fid(0.1, 0.5)}]
+    k = pair_lower(tie, base, "kl")  # a tie counts for neither side; a case without fidelity is left out
+    assert (k["n"], k["wins"], k["losses"]) == (2, 1, 0) and k["mean_diff"] == pytest.approx(-0.1)
+    g = pair_lower(tie, base, "gold_nll")
+    assert (g["n"], g["wins"], g["losses"]) == (1, 0, 1)
     plain = markdown(build_study(load_dirs(list(_table(tmp_path)))[1]))
     assert "Fidelity" not in plain and "KL" not in plain  # an accuracy-only study's table is unchanged
 
