@@ -255,6 +255,9 @@ def test_shared_references_refuse_other_settings(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "made with other settings" in r.stderr and "max_tokens" in r.stderr
     assert not (tmp_path / "out" / "cases.jsonl").exists() or not (tmp_path / "out" / "cases.jsonl").read_text()
+    (refs / "settings.json").write_text("[1, 2]")  # JSON, but not settings
+    r = subprocess.run(_eval_cmd(ds, tmp_path / "out", refs), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "settings.json is unreadable" in r.stderr
     no_fid = [a for a in _eval_cmd(ds, tmp_path / "out2", refs) if a != "--fidelity"]
     r = subprocess.run(no_fid, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode != 0 and "--fidelity-refs needs --fidelity" in r.stderr and "Traceback" not in r.stderr

@@ -172,6 +172,19 @@ def _safe_name(case_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", case_id)[:80] + "-" + digest + ".npz"
 
 
+def _read_settings(path: Path) -> dict[str, Any] | None:
+    """A reference directory's recorded settings; None when it has none (PaskError when unreadable)."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, UnicodeDecodeError):
+        old = None
+    if not isinstance(old, dict):
+        raise PaskError(f"{path} is unreadable: use another --fidelity-refs directory")
+    return old
+
+
 class ReferenceStore:
     """Full KV's references in one directory, one ``.npz`` per case, computed on first use.
 
@@ -191,12 +204,7 @@ class ReferenceStore:
     def _check_settings(self, settings: dict[str, Any]) -> None:
         """Refuse a directory whose references were made with other settings; record them otherwise."""
         path = self.dir / SETTINGS_FILE
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            old = None
-        except (OSError, ValueError, UnicodeDecodeError):
-            raise PaskError(f"{path} is unreadable: use another --fidelity-refs directory") from None
+        old = _read_settings(path)
         if old is not None:
             diff = sorted(k for k in old.keys() | settings.keys() if old.get(k) != settings.get(k))
             if diff:
