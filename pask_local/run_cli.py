@@ -30,7 +30,9 @@ from .errors import PaskError
 from .jsonfile import read_json_file
 
 PROMPT_STYLES = {"auto": "auto", "native": "native", "plain": "instruction"}
-METHOD_HELP = ("KV persistence method: pask, full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
+METHOD_HELP = ("KV persistence method. Default: pask-hybrid (the variant best on the calibration split; it "
+               "prefills the prompt whole, then compresses), or pask when --policy is given. Choices: pask (the "
+               "model's calibrated policy, evicting while it prefills), full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
                "(PASK with the hand-written prior policy), pask-attn (PASK's class shares, ranked by "
                "attention inside each class), pask-hybrid (structural floors; the rest of the budget "
                "by attention) or pask-tools (PASK's class shares; the tools the query names persist first).")
@@ -58,10 +60,11 @@ def run_command(
     gguf: Annotated[str | None, typer.Option("--gguf", help="GGUF model: path or hf://owner/repo/file.gguf. "
                                              "Default: the named model gemma3-270m.", show_default=False)] = None,
     model: ModelOption = None,
-    method: Annotated[str, typer.Option("--method", help=METHOD_HELP)] = "pask",
+    method: Annotated[str | None, typer.Option("--method", help=METHOD_HELP, show_default=False)] = None,
     budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,
-    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn, pask-hybrid, pask-tools). "
-                                                "Default: the model's shipped policy.", show_default=False)] = None,
+    policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn, pask-hybrid, pask-tools; "
+                                                "without --method it runs as pask). Default: the model's shipped "
+                                                "policy.", show_default=False)] = None,
     parallel: Annotated[bool, typer.Option("--parallel", help="Allow a list of calls.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Generation limit.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="0: greedy; up to 2: sample (under the "
@@ -112,6 +115,9 @@ def run_command(
         raise PaskError("--schema FILE is required (or tools in the --messages request body)")
     if prompt_style not in PROMPT_STYLES:
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
+    from .engine.factory import default_run_method
+
+    method = default_run_method(method, policy)
     check_generation_options(method, budget, max_tokens)
     check_device_options(ngl, hysteresis, kv_type)
     from .grammar.sampling import Sampling

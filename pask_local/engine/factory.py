@@ -19,6 +19,19 @@ PASK_VARIANTS = ("pask", "pask-prior", "pask-attn", "pask-hybrid", "pask-tools")
 DEFAULT_POLICY_METHODS = ("pask", "pask-attn", "pask-tools")
 # the methods that take a policy file (--policy)
 POLICY_METHODS = ("pask", "pask-attn", "pask-hybrid", "pask-tools")
+# what `pask-local run` runs when no --method is given: the variant best on the calibration split
+# (docs/results.md, "PASK holds the prompt's tail": pask-hybrid 48.2% over 0.33 and 0.2, the prior
+# 43.8, SnapKV 40.0); with --policy and no --method, that policy runs as `pask`. The server keeps
+# `pask` (it evicts while prefilling, so a slot holds a prompt longer than the slot's budget and a
+# finished request's prefix is reused: docs/server.md).
+RUN_DEFAULT_METHOD = "pask-hybrid"
+
+
+def default_run_method(method: str | None, policy: object | None) -> str:
+    """``--method`` as given, else ``pask`` when a policy file is given, else ``RUN_DEFAULT_METHOD``."""
+    if method is not None:
+        return method
+    return "pask" if policy is not None else RUN_DEFAULT_METHOD
 
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,

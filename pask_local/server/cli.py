@@ -50,7 +50,10 @@ def serve_command(
                                              "Default: the named model gemma3-270m.", show_default=False)] = None,
     model: ModelOption = None,
     method: Annotated[str, typer.Option("--method", help="Default KV persistence method (a request may "
-                                        "override it with \"pask\": {\"method\": ...}).")] = "pask",
+                                        "override it with \"pask\": {\"method\": ...}). pask, not run's "
+                                        "pask-hybrid: it evicts while it prefills, so a batched slot takes "
+                                        "prompts longer than its budget and reuses a finished request's "
+                                        "prefix.")] = "pask",
     budget: Annotated[float, typer.Option("--budget", help="Default fraction of full-KV entries kept, "
                                           "in (0, 1].")] = 0.33,
     slots: Annotated[int, typer.Option("--slots", help="Requests run at once (batched: KV streams of one "
@@ -59,9 +62,9 @@ def serve_command(
                                         "count follows from the method and budget (overrides --slots). 0: use "
                                         "--slots.")] = 0,
     batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Continuous batching of all slots in one "
-                                        "persistent context (methods that do not prefill the whole prompt "
-                                        "first: full, pask, pask-prior, streaming, h2o, tova), or one context "
-                                        "per request (any method).")] = True,
+                                        "persistent context (any method; one that prefills the whole prompt "
+                                        "first, such as snapkv or pask-hybrid, takes only prompts that fit a "
+                                        "slot), or one context per request.")] = True,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait for a slot; beyond that: "
                                        "429.")] = 8,
     prefill_tokens: Annotated[int, typer.Option("--prefill-tokens", help="Batched: prompt tokens one step may "
