@@ -69,23 +69,32 @@ def bench_model(args: argparse.Namespace) -> Path:
     return resolve_model(args.gguf, args.model)
 
 
-def tools_for_length(model, n_tokens: int) -> tuple[int, int]:
-    """The fewest repeated tools whose prompt has >= n_tokens tokens: (tools, prompt tokens)."""
+def tools_for_length(model, n_tokens: int, notes: int = 0) -> tuple[int, int]:
+    """The fewest repeated tools whose prompt has >= n_tokens tokens: (tools, prompt tokens).
+
+    At most ``MAX_TOOLS`` tools (the request limit); past it a PaskError says to lengthen each tool
+    (``--tool-notes``)."""
     from bench_engine import tool_set
 
     from pask_local.engine import Engine, EngineConfig, make_method
-    from pask_local.schema.tools import load_tools
+    from pask_local.errors import ContextLengthError, PaskError
+    from pask_local.schema.tools import MAX_TOOLS, load_tools
 
     engine = Engine(model, make_method("full", model), EngineConfig(budget=1.0, max_tokens=32))
 
     def length(n: int) -> int:
-        return engine.prepare([{"role": "user", "content": REQUEST}], load_tools(tool_set(n)), "required").n_prompt
+        try:
+            return engine.prepare([{"role": "user", "content": REQUEST}], load_tools(tool_set(n, notes)),
+                                  "required").n_prompt
+        except ContextLengthError:
+            return sys.maxsize  # longer than the model takes: long enough for the search
 
     lo, hi = 1, 4
     while length(hi) < n_tokens:
-        lo, hi = hi, hi * 2
-        if hi > 4096:
-            raise SystemExit(f"error: cannot build a {n_tokens}-token prompt from the bundled tools")
+        if hi == MAX_TOOLS:
+            raise PaskError(f"{MAX_TOOLS} tools (the request limit) with --tool-notes {notes} make a "
+                            f"{length(MAX_TOOLS)}-token prompt, under {n_tokens}: raise --tool-notes")
+        lo, hi = hi, min(hi * 2, MAX_TOOLS)
     while lo < hi:
         mid = (lo + hi) // 2
         if length(mid) >= n_tokens:
@@ -108,7 +117,7 @@ def run_one(spec: dict) -> dict:
     cfg = EngineConfig(budget=budget, max_tokens=spec["max_tokens"], n_ctx=spec["n_ctx"],
                        flash_attn=spec.get("flash_attn", False))
     engine = Engine(model, make_method(spec["method"], model), cfg)
-    res = engine.run(load_tools(tool_set(spec["tools"])), REQUEST)
+    res = engine.run(load_tools(tool_set(spec["tools"], spec.get("tool_notes", 0))), REQUEST)
     s = res.stats
     return {"method": spec["method"], "budget": None if spec["method"] == "full" else budget,
             "n_prompt": s["n_prompt"], "n_gen": s["n_gen"], "prefill_ms": s["prefill_ms"],
@@ -128,6 +137,8 @@ def main() -> int:
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--ngl", type=int, default=0, help="layers on the GPU (a CUDA build; 99: all)")
     ap.add_argument("--flash-attn", action="store_true", help="flash attention in every run")
+    ap.add_argument("--tool-notes", type=int, default=0,
+                    help="words of usage notes added to each tool's description (prompts past what 256 tools make)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
@@ -137,8 +148,8 @@ def main() -> int:
     from pask_local.errors import PaskError
     from pask_local.llm import Model
 
-    if args.ngl < 0:
-        print("error: --ngl must be at least 0", file=sys.stderr)
+    if args.ngl < 0 or args.tool_notes < 0:
+        print("error: --ngl and --tool-notes must be at least 0", file=sys.stderr)
         return 2
     try:
         lengths = [int(x) for x in args.contexts.split(",") if x.strip()]
@@ -158,14 +169,18 @@ def main() -> int:
         if length + args.max_tokens > model.n_ctx_train:
             print(f"[sweep] skip {length}: beyond the model's trained context {model.n_ctx_train}", file=sys.stderr)
             continue
-        n_tools, n_prompt = tools_for_length(model, length)
+        try:
+            n_tools, n_prompt = tools_for_length(model, length, args.tool_notes)
+        except PaskError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         jobs = [("full", 1.0)] + [(m, b) for m in args.methods.split(",") for b in budgets]
         for method, budget in jobs:
             print(f"[sweep] {length} tokens ({n_prompt} in {n_tools} tools): {method} {budget}", file=sys.stderr,
                   flush=True)
             spec = {"gguf": str(gguf), "tools": n_tools, "method": method, "budget": budget,
                     "max_tokens": args.max_tokens, "n_ctx": n_prompt + args.max_tokens + 1,
-                    "ngl": args.ngl, "flash_attn": args.flash_attn}
+                    "ngl": args.ngl, "flash_attn": args.flash_attn, "tool_notes": args.tool_notes}
             proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
                                   text=True, env={**os.environ})
             if proc.returncode != 0:
@@ -178,7 +193,7 @@ def main() -> int:
     _table(rows, Path(gguf).name, label)
     if args.json:
         args.json.write_text(json.dumps({"model": Path(gguf).name, "weights": label, "ngl": args.ngl,
-                                          "flash_attn": args.flash_attn, "rows": rows}, indent=1))
+                                          "flash_attn": args.flash_attn, "tool_notes": args.tool_notes, "rows": rows}, indent=1))
     if args.png:
         _plot(rows, args.png, f"{Path(gguf).name} ({label})")
     return 0

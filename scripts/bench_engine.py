@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import statistics
 import sys
@@ -43,8 +44,13 @@ from pask_local.methods import METHOD_NAMES  # noqa: E402
 from pask_local.models import resolve_model  # noqa: E402
 from pask_local.schema.tools import load_tools  # noqa: E402
 
+NOTE_SENTENCE = ("Call this tool only when the request names what it does, pass every required argument "
+                 "with the type its schema gives, and leave optional arguments out unless the user asks. ")
 
-def tool_set(n: int) -> list[dict]:
+
+def tool_set(n: int, notes: int = 0) -> list[dict]:
+    """``n`` tools: the bundled examples, then renamed copies; ``notes`` > 0 appends about that many words
+    of usage notes to each description, exactly (longer prompts from fewer tools)."""
     base = []
     for name in ("get_weather.json", "calendar.json", "bfcl_math.json", "parallel_shopping.json"):
         data = json.loads((REPO / "examples" / name).read_text())
@@ -57,6 +63,9 @@ def tool_set(n: int) -> list[dict]:
         fn = t.get("function", t)
         if i >= len(base):
             fn["name"] = f"{fn['name']}_{i // len(base)}"
+        if notes > 0:
+            words = itertools.islice(itertools.cycle(NOTE_SENTENCE.split()), notes)
+            fn["description"] = (fn.get("description", "") + " " + " ".join(words)).strip()
         out.append(t)
     return out
 

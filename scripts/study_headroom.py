@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             lengths = answer_lengths(records, ids, lambda text: model.tokenize(text, parse_special=True))
         finally:
             model.close()
-        h = headroom(records, lengths)
+        h = headroom(records, lengths, [i for i in ids if i not in lengths])
     except (PaskError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

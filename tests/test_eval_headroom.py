@@ -59,6 +59,18 @@ def test_answer_lengths_tokenize_fulls_output(gemma_path):
     try:
         lengths = answer_lengths(recs, ["c0", "c3"], lambda t: model.tokenize(t, parse_special=True))
         assert lengths == {"c0": (100, len(model.tokenize("answer 0"))), "c3": (100, len(model.tokenize("answer 3")))}
+        # a case no run prefilled (every record failed before the prompt: n_prompt 0 at the top level,
+        # none in stats) has no length: left out of the split, and headroom lists it
+        for key in [k for k in recs if k[0] == "c4"]:
+            recs[key] = {**recs[key], "n_prompt": 0, "stats": {"raw_output": ""}, "valid": False}
+        lengths = answer_lengths(recs, ["c0", "c1", "c4"], lambda t: model.tokenize(t, parse_special=True))
+        assert sorted(lengths) == ["c0", "c1"] and lengths["c1"][0] == 100
+        only_top = {k: {**r, "n_prompt": 77, "stats": {}} for k, r in recs.items() if k[0] == "c2"}
+        assert answer_lengths(only_top, ["c2"], model.tokenize)["c2"][0] == 77  # the top-level field
+        h = headroom(recs, lengths, ["c4"])
+        assert h["n_cases"] == 2 and h["left_out"] == ["c4"] and "Left out: 1 case(s)" in markdown(h)
+        with pytest.raises(StudyError, match="no case of the study was prefilled"):
+            headroom(recs, {}, ["c4"])
         del recs[("c3", "full", "full")]
         with pytest.raises(StudyError, match="case c3 has no Full KV record"):
             answer_lengths(recs, ["c3"], model.tokenize)

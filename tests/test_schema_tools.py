@@ -43,8 +43,8 @@ def test_unsupported_keyword_names_keyword_and_path(keyword: str, schema: dict, 
 
 def test_nested_unsupported_keyword_path() -> None:
     params = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {
-        "b": {"type": "integer", "minimum": 3}}}}}}
-    with pytest.raises(SchemaError, match=r"'minimum' at \$\[1\]\.function\.parameters\.properties\.a\.items\.properties\.b"):
+        "b": {"type": "string", "pattern": "^x$"}}}}}}
+    with pytest.raises(SchemaError, match=r"'pattern' at \$\[1\]\.function\.parameters\.properties\.a\.items\.properties\.b"):
         load_tools([fn({"type": "object"}, "g"), fn(params)])
 
 
@@ -61,8 +61,8 @@ def test_duplicate_tool_names() -> None:
 
 
 def test_required_must_exist_and_bad_types() -> None:
-    with pytest.raises(SchemaError, match="names 'y'"):
-        load_tools(fn({"type": "object", "properties": {"x": {"type": "string"}}, "required": ["y"]}))
+    with pytest.raises(SchemaError, match="'required' at .* must be a list of property names"):
+        load_tools(fn({"type": "object", "properties": {"x": {"type": "string"}}, "required": [1]}))
     with pytest.raises(SchemaError, match="unsupported type 'complex'"):
         load_tools(fn({"type": "object", "properties": {"x": {"type": "complex"}}}))
     with pytest.raises(SchemaError, match="needs a 'name'"):
@@ -91,3 +91,77 @@ def test_bare_schema_and_examples_load() -> None:
         text = build_grammar(specs, parallel=True).text
         for s in specs:
             assert f"\\\"{s.name}\\\"" in text
+
+
+def _grammar_takes(grammar_text: str, text: str) -> bool:
+    """llama.cpp's grammar engine (the oracle) reads ``text`` byte by byte and can end after it."""
+    from grammar_helpers import gemma
+
+    from pask_local._byte_tokens import byte_tokens
+    from pask_local.grammar.state import GrammarState
+
+    m = gemma()
+    bt = byte_tokens(m, full=True)
+    st = GrammarState(m.vocab, grammar_text)
+    try:
+        for b in text.encode():
+            if not st.accepts(bt[b]):
+                return False
+            st.accept(bt[b])
+        return st.can_end()
+    finally:
+        st.close()
+
+
+def test_enum_values_govern_a_type_they_do_not_match() -> None:
+    # BFCL live_parallel_multiple (real user tools): "type": "integer" with enum ["1", ..., "dontcare"].
+    # Like llama.cpp's json-schema-to-grammar (which reads 'enum' before 'type'), the listed values are
+    # what may be generated; the whole tool list is not refused over one inconsistent parameter.
+    (spec,) = load_tools(fn({"type": "object", "required": ["n"], "properties": {
+        "n": {"type": "integer", "enum": ["1", "2", "dontcare"]},
+        "m": {"type": "integer", "enum": [1, "x"]},
+        "k": {"type": "number", "enum": [1, 2.5]}}}))
+    props = spec.parameters["properties"]
+    assert props["n"] == {"type": "string", "enum": ["1", "2", "dontcare"]}
+    assert props["m"] == {"type": ["integer", "string"], "enum": [1, "x"]}
+    assert props["k"] == {"type": "number", "enum": [1, 2.5]}  # an integer is a number: left as given
+    g = build_grammar([spec]).text
+    call = '{{"name": "f", "arguments": {{"n": {}}}}}'
+    assert _grammar_takes(g, call.format('"dontcare"')) and _grammar_takes(g, call.format('"2"'))
+    assert not _grammar_takes(g, call.format("2")) and not _grammar_takes(g, call.format('"3"'))
+    assert _grammar_takes(g, '{"name": "f", "arguments": {"n": "1", "m": "x"}}')
+    assert not _grammar_takes(g, '{"name": "f", "arguments": {"n": "1", "m": "1"}}')
+
+
+def test_every_bfcl_tool_list_of_the_eight_categories_loads() -> None:
+    # the real bfcl-eval data: before enum values governed, 3 of live_parallel_multiple's cases were
+    # refused outright (a SchemaError for every method, Full KV's included)
+    from pask_local.eval.data import CATEGORIES, load_bundled
+
+    n = 0
+    for cat in CATEGORIES:
+        for case in load_bundled(cat):
+            build_grammar(load_tools(case.functions))
+            n += 1
+    assert n > 1000
+    (case,) = [c for c in load_bundled("live_parallel_multiple") if c.id == "live_parallel_multiple_18-16-0"]
+    (house,) = [t for t in load_tools(case.functions) if t.name == "Hotels_2_SearchHouse"]
+    assert house.parameters["properties"]["number_of_adults"]["enum"][-1] == "dontcare"
+
+
+def test_array_enums_required_without_schema_and_bounds_are_read_as_written() -> None:
+    (spec,) = load_tools(fn({"type": "object", "required": ["metrics", "pop"], "properties": {
+        "metrics": {"type": "array", "items": {"type": "string"}, "enum": ["co2", "noise"]},
+        "fee": {"type": "integer", "maximum": 400},
+        "pop": {"type": "dict", "required": ["adults"]}}}))
+    props = spec.parameters["properties"]
+    assert props["metrics"] == {"type": "array", "items": {"type": "string", "enum": ["co2", "noise"]}}
+    assert props["fee"] == {"type": "integer", "maximum": 400}
+    assert props["pop"] == {"type": "object", "properties": {"adults": {}}, "required": ["adults"]}
+    g = build_grammar([spec]).text
+    call = '{{"name": "f", "arguments": {{"metrics": {}, "pop": {}}}}}'
+    assert _grammar_takes(g, call.format('["co2", "noise"]', '{"adults": 2}'))
+    assert _grammar_takes(g, call.format('[]', '{"adults": "any JSON"}'))
+    assert not _grammar_takes(g, call.format('["co3"]', '{"adults": 2}'))  # items keep the enum
+    assert not _grammar_takes(g, call.format('["co2"]', '{}'))  # the required key stays required
+    assert _grammar_takes(g, '{"name": "f", "arguments": {"metrics": [], "pop": {"adults": 1}, "fee": 9999}}')

@@ -38,7 +38,8 @@ TYPE_ALIASES = {
     "any": "any",
 }
 # keywords that carry no constraint (kept for the prompt, ignored by the grammar)
-ANNOTATION_KEYS = {"description", "title", "default", "examples", "format", "$comment", "optional"}
+ANNOTATION_KEYS = {"description", "title", "default", "examples", "format", "$comment", "optional",
+                   "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}  # bounds: validated after, not in the grammar
 SUPPORTED_KEYS = ANNOTATION_KEYS | {"type", "properties", "required", "items", "enum", "const",
                                     "additionalProperties", "minItems", "maxItems"}
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
@@ -137,6 +138,7 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
     for key in ANNOTATION_KEYS:
         if key in schema:
             _check_annotation(schema[key], f"'{key}'", where)
+    schema = _enum_of_items(schema)
     out: dict[str, Any] = {k: schema[k] for k in ANNOTATION_KEYS if k in schema and k != "optional"}
     if "const" in schema:
         out["enum"] = [schema["const"]]
@@ -156,8 +158,13 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
     types = _types(schema, where)
     if types is not None:
         out["type"] = types[0] if len(types) == 1 else types
-    if "enum" in out and types is not None and "any" not in types:
-        out["enum"] = [_coerce_enum(v, types, where) for v in out["enum"]]
+    if "enum" in out and types is not None and "any" not in types \
+            and not all(_fits_types(v, types) for v in out["enum"]):
+        # The listed values govern, as in llama.cpp's json-schema-to-grammar (it reads 'enum' before
+        # 'type'): real tool lists declare e.g. type integer with enum ["1", ..., "dontcare"] (BFCL live).
+        # The normalised node's type becomes the values' own, so prompt, grammar and checks agree.
+        types = list(dict.fromkeys(_json_type(v) for v in out["enum"]))
+        out["type"] = types[0] if len(types) == 1 else types
     single = types[0] if types is not None and len(types) == 1 else None
     if single == "object" or (types is None and "properties" in schema):
         out["type"] = "object"
@@ -175,8 +182,13 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise SchemaError(f"'required' at {where} must be a list of property names")
         for r in required:
-            if r not in out["properties"]:
-                raise SchemaError(f"'required' at {where} names '{_printable(r, 60)}', which is not in 'properties'")
+            if r not in out["properties"]:  # JSON Schema: a required key with no schema takes any value
+                _check_text(r, "a property name", where, MAX_KEY_BYTES)
+                if len(out["properties"]) >= MAX_PROPERTIES:
+                    raise SchemaError(f"'properties' at {where} has more than {MAX_PROPERTIES} entries with "
+                                      "'required'; see docs/limits.md")
+                budget.take(where)
+                out["properties"][r] = {}
         out["required"] = list(dict.fromkeys(required))
         extra = schema.get("additionalProperties", None)
         if extra not in (None, True, False):
@@ -229,14 +241,36 @@ def _types(schema: dict[str, Any], where: str) -> list[str] | None:
     return out
 
 
-def _coerce_enum(value: Any, types: list[str], where: str) -> Any:
-    """BFCL enums of numbers are sometimes given as strings; keep values valid for the type."""
-    ok = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
-    for t in types:
-        want = ok.get(t)
-        if want is not None and isinstance(value, want) and not (t in ("integer", "number") and isinstance(value, bool)):
-            return value
-    raise SchemaError(f"'enum' value {_short(value)} at {where} does not match type {'/'.join(types)}")
+def _enum_of_items(schema: dict[str, Any]) -> dict[str, Any]:
+    """BFCL's arrays of choices: ``type: array`` with an ``enum`` of scalars means each item is one of
+    them (``metrics: {type: array, items: {type: string}, enum: [...]}``); the enum moves to ``items``
+    (unless ``items`` has its own)."""
+    values = schema.get("enum")
+    raw_type = schema.get("type")
+    items = schema.get("items", {})
+    if not (isinstance(raw_type, str) and TYPE_ALIASES.get(raw_type.lower()) == "array"
+            and isinstance(values, list) and values and isinstance(items, dict) and "enum" not in items
+            and not any(isinstance(v, dict | list) for v in values)):
+        return schema
+    moved = {k: v for k, v in schema.items() if k != "enum"}
+    moved["items"] = {**items, "enum": values}
+    return moved
+
+
+def _fits_types(value: Any, types: list[str]) -> bool:
+    """Whether a scalar enum value is an instance of one of ``types`` (a bool is not a number)."""
+    return _json_type(value) in types or (_json_type(value) == "integer" and "number" in types)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON Schema type name of a scalar value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return "number" if isinstance(value, float) else "string"
 
 
 def _short(value: Any, limit: int = 60) -> str:
