@@ -60,9 +60,9 @@ def validate_calls(parsed: Any, tools: list[ToolSpec], parallel: bool) -> tuple[
         tool = by_name.get(c["name"])
         if tool is None:
             return calls, f"unknown tool '{c['name']}'"
-        try:
-            jsonschema.validate(c["arguments"], tool.parameters)
-        except jsonschema.ValidationError as exc:
+        # as jsonschema.validate, without checking the schema again: load_tools checked it once
+        exc = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(tool.parameters).iter_errors(c["arguments"]))
+        if exc is not None:
             return calls, f"arguments of '{tool.name}' do not validate: {exc.message}"
     return calls, None
 

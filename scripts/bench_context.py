@@ -90,10 +90,10 @@ def tools_for_length(model, n_tokens: int, notes: int = 0) -> tuple[int, int]:
             return sys.maxsize  # longer than the model takes: long enough for the search
 
     lo, hi = 1, 4
-    while length(hi) < n_tokens:
+    while (n_hi := length(hi)) < n_tokens:
         if hi == MAX_TOOLS:
             raise PaskError(f"{MAX_TOOLS} tools (the request limit) with --tool-notes {notes} make a "
-                            f"{length(MAX_TOOLS)}-token prompt, under {n_tokens}: raise --tool-notes")
+                            f"{n_hi}-token prompt, under {n_tokens}: raise --tool-notes")
         lo, hi = hi, min(hi * 2, MAX_TOOLS)
     while lo < hi:
         mid = (lo + hi) // 2

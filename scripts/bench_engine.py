@@ -49,8 +49,8 @@ NOTE_SENTENCE = ("Call this tool only when the request names what it does, pass 
 
 
 def tool_set(n: int, notes: int = 0) -> list[dict]:
-    """``n`` tools: the bundled examples, then renamed copies; ``notes`` > 0 appends about that many words
-    of usage notes to each description, exactly (longer prompts from fewer tools)."""
+    """``n`` tools: the bundled examples, then renamed copies; ``notes`` > 0 appends that many words of
+    usage notes to each description (longer prompts from fewer tools)."""
     base = []
     for name in ("get_weather.json", "calendar.json", "bfcl_math.json", "parallel_shopping.json"):
         data = json.loads((REPO / "examples" / name).read_text())

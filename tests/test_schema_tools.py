@@ -60,7 +60,7 @@ def test_duplicate_tool_names() -> None:
         load_tools([fn({"type": "object"}), fn({"type": "object"})])
 
 
-def test_required_must_exist_and_bad_types() -> None:
+def test_required_must_be_names_and_bad_types() -> None:
     with pytest.raises(SchemaError, match="'required' at .* must be a list of property names"):
         load_tools(fn({"type": "object", "properties": {"x": {"type": "string"}}, "required": [1]}))
     with pytest.raises(SchemaError, match="unsupported type 'complex'"):
@@ -165,3 +165,16 @@ def test_array_enums_required_without_schema_and_bounds_are_read_as_written() ->
     assert not _grammar_takes(g, call.format('["co3"]', '{"adults": 2}'))  # items keep the enum
     assert not _grammar_takes(g, call.format('["co2"]', '{}'))  # the required key stays required
     assert _grammar_takes(g, '{"name": "f", "arguments": {"metrics": [], "pop": {"adults": 1}, "fee": 9999}}')
+
+
+@pytest.mark.parametrize("bad,keyword", [({"type": "integer", "maximum": "x"}, "maximum"),
+                                         ({"type": "string", "format": 3}, "format"),
+                                         ({"type": "string", "examples": "a"}, "examples")])
+def test_parameters_jsonschema_cannot_check_calls_against_are_refused_in_one_line(bad: dict, keyword: str) -> None:
+    # the normalised parameters are what jsonschema validates each finished call against: a malformed
+    # annotation used to pass load_tools and end in jsonschema's own SchemaError (a traceback) later
+    with pytest.raises(SchemaError) as err:
+        load_tools(fn({"type": "object", "properties": {"a": bad}}))
+    msg = str(err.value)
+    assert msg.startswith("'parameters' of tool 'f' are not a valid JSON Schema at ") and keyword in msg
+    assert "\n" not in msg and len(msg) < 400

@@ -48,7 +48,7 @@ def answer_lengths(records: dict[Key, dict[str, Any]], ids: Sequence[str],
 def _prompt_length(record: dict[str, Any]) -> int:
     """The prompt tokens a record says were prefilled (0 when the run failed before the prompt)."""
     st = record.get("stats")
-    for n in ((st or {}).get("n_prompt") if isinstance(st, dict) else None, record.get("n_prompt")):
+    for n in (st.get("n_prompt") if isinstance(st, dict) else None, record.get("n_prompt")):
         if isinstance(n, int) and n > 0:
             return n
     return 0

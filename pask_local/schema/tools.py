@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+
 from ..errors import SchemaError
 
 # BFCL / loose type names -> JSON Schema type names
@@ -37,9 +39,10 @@ TYPE_ALIASES = {
     "null": "null",
     "any": "any",
 }
-# keywords that carry no constraint (kept for the prompt, ignored by the grammar)
+# keywords the grammar ignores (kept for the prompt); the numeric bounds among them are still checked by
+# jsonschema on the finished call
 ANNOTATION_KEYS = {"description", "title", "default", "examples", "format", "$comment", "optional",
-                   "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}  # bounds: validated after, not in the grammar
+                   "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 SUPPORTED_KEYS = ANNOTATION_KEYS | {"type", "properties", "required", "items", "enum", "const",
                                     "additionalProperties", "minItems", "maxItems"}
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,127}$")
@@ -138,7 +141,9 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
     for key in ANNOTATION_KEYS:
         if key in schema:
             _check_annotation(schema[key], f"'{key}'", where)
-    schema = _enum_of_items(schema)
+    types = _types(schema, where)
+    if types == ["array"]:
+        schema = _enum_of_items(schema)
     out: dict[str, Any] = {k: schema[k] for k in ANNOTATION_KEYS if k in schema and k != "optional"}
     if "const" in schema:
         out["enum"] = [schema["const"]]
@@ -155,7 +160,6 @@ def normalise_schema(schema: Any, path: tuple[str, ...] = (), root: str = "$",
                 raise SchemaError(f"'enum' at {where}: {v} is not a JSON number")
             _check_text(v, "an 'enum' value", where)
         out["enum"] = list(values)
-    types = _types(schema, where)
     if types is not None:
         out["type"] = types[0] if len(types) == 1 else types
     if "enum" in out and types is not None and "any" not in types \
@@ -242,19 +246,14 @@ def _types(schema: dict[str, Any], where: str) -> list[str] | None:
 
 
 def _enum_of_items(schema: dict[str, Any]) -> dict[str, Any]:
-    """BFCL's arrays of choices: ``type: array`` with an ``enum`` of scalars means each item is one of
-    them (``metrics: {type: array, items: {type: string}, enum: [...]}``); the enum moves to ``items``
-    (unless ``items`` has its own)."""
-    values = schema.get("enum")
-    raw_type = schema.get("type")
-    items = schema.get("items", {})
-    if not (isinstance(raw_type, str) and TYPE_ALIASES.get(raw_type.lower()) == "array"
-            and isinstance(values, list) and values and isinstance(items, dict) and "enum" not in items
+    """An array's ``enum`` of scalars, BFCL's arrays of choices (``metrics: {type: array, items: {type:
+    string}, enum: [...]}``), means each item is one of them: the enum moves to ``items`` (unless
+    ``items`` has its own)."""
+    values, items = schema.get("enum"), schema.get("items", {})
+    if not (isinstance(values, list) and values and isinstance(items, dict) and "enum" not in items
             and not any(isinstance(v, dict | list) for v in values)):
         return schema
-    moved = {k: v for k, v in schema.items() if k != "enum"}
-    moved["items"] = {**items, "enum": values}
-    return moved
+    return {**{k: v for k, v in schema.items() if k != "enum"}, "items": {**items, "enum": values}}
 
 
 def _fits_types(value: Any, types: list[str]) -> bool:
@@ -298,6 +297,11 @@ def _tool_from_function(fn: dict[str, Any], where: str, budget: _Budget | None =
         raise SchemaError(f"'parameters' of tool '{name}' must have type 'object' (or BFCL 'dict')")
     norm.setdefault("properties", {})
     norm.setdefault("required", [])
+    try:  # what jsonschema will validate calls against must itself be valid (e.g. "maximum": "x")
+        jsonschema.Draft202012Validator.check_schema(norm)
+    except jsonschema.SchemaError as exc:
+        raise SchemaError(f"'parameters' of tool '{name}' are not a valid JSON Schema at "
+                          f"{_printable(exc.json_path, 120)}: {_printable(exc.message, 120)}") from None
     return ToolSpec(name=name, description=desc, parameters=norm, source=fn)
 
 
