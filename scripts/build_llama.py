@@ -3,12 +3,13 @@
 
 Steps (each fails loudly with a one-line reason):
 1. fetch the sdist of llama-cpp-python at the pinned version with pip and check its sha256;
-2. extract it and apply every ``patches/*.patch`` in name order (``patch -p1``), copy
-   ``ggml_kernels/`` into the tree as ``vendor/llama.cpp/pask_kernels``;
+2. extract it and apply every ``patches/*.patch`` in name order (``patch -p1``; they only edit upstream
+   files), copy our own new sources ``native/`` into ``vendor/llama.cpp/`` (new files only, same relative
+   paths) and ``ggml_kernels/`` into the tree as ``vendor/llama.cpp/pask_kernels``;
 3. sync the result into a persistent source tree (only changed files are touched, so the
    persistent CMake build dir rebuilds incrementally) and build a wheel with portable CPU flags
    (GGML_NATIVE=OFF, explicit AVX2/FMA/F16C[/AVX512], never AMX) or ``--cuda``;
-4. cache the wheel under a key (sdist sha256, hash of patches/ + ggml_kernels/, flags) and
+4. cache the wheel under a key (sdist sha256, hash of patches/ + native/ + ggml_kernels/, flags) and
    install it into the running interpreter's environment. An unchanged tree never rebuilds.
 
 ``--bundle OUT.tar.gz`` writes step 2's patched tree, without what no library build compiles (models,
@@ -45,6 +46,10 @@ PINNED_VERSION = "0.3.36"
 PINNED_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_INFO_NAME = "pask_build.json"
+# The folders whose bytes make up the series (series_hash, the cache key, PASK_PATCH_SERIES).
+SERIES_DIRS = ("patches", "native", "ggml_kernels")
+# native/'s description of itself: the one file of native/ that is not a source of the tree.
+NATIVE_README = "README.md"
 
 # Targets Python never loads: skipping them cuts the build roughly in half.
 SKIP_FLAGS = [
@@ -111,7 +116,7 @@ def cache_dir() -> Path:
 
 def _series_files(repo: Path) -> list[Path]:
     files: list[Path] = []
-    for sub in ("patches", "ggml_kernels"):
+    for sub in SERIES_DIRS:
         d = repo / sub
         if d.is_dir():
             files += [p for p in sorted(d.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
@@ -119,7 +124,7 @@ def _series_files(repo: Path) -> list[Path]:
 
 
 def series_hash(repo: Path = REPO_ROOT) -> str:
-    """sha256 (first 16 hex digits) over the relative paths and bytes of patches/ and ggml_kernels/."""
+    """sha256 (first 16 hex digits) over the relative paths and bytes of patches/, native/ and ggml_kernels/."""
     h = hashlib.sha256()
     for p in _series_files(repo):
         h.update(p.relative_to(repo).as_posix().encode() + b"\0")
@@ -341,6 +346,34 @@ def apply_patches(tree: Path, patches_dir: Path) -> list[str]:
     return applied
 
 
+def native_sources(repo: Path) -> list[Path]:
+    """The files of ``repo/native`` that go into the tree, relative to it (its README stays behind)."""
+    root = repo / "native"
+    if not root.is_dir():
+        return []
+    files = [p.relative_to(root) for p in sorted(root.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    return [rel for rel in files if rel != Path(NATIVE_README)]
+
+
+def copy_native(tree: Path, repo: Path) -> list[str]:
+    """Copy native/'s sources to the same paths under the tree's vendor/llama.cpp/; their paths.
+
+    They must be new files: an upstream file is changed by a patch, never replaced wholesale, so a
+    source that would overwrite one (or a file a patch created) is a BuildError.
+    """
+    llama = tree / "vendor" / "llama.cpp"
+    copied = []
+    for rel in native_sources(repo):
+        dst = llama / rel
+        if dst.exists() or dst.is_symlink():
+            raise BuildError(f"native/{rel.as_posix()} would replace {dst.relative_to(tree)}: "
+                             "edit upstream files with a patch")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / "native" / rel, dst)
+        copied.append(rel.as_posix())
+    return copied
+
+
 def sync_tree(src: Path, dst: Path) -> int:
     """Make dst a copy of src touching only files whose bytes differ; return how many changed."""
     changed = 0
@@ -389,11 +422,14 @@ def installed_build_info(python: str | None = None) -> dict | None:
 
 
 def stage_tree(repo: Path, cache: Path, into: Path) -> tuple[Path, list[str]]:
-    """The pinned sdist extracted under ``into``, the series applied, ggml_kernels/ copied in."""
+    """The pinned sdist extracted under ``into``, the series applied, native/ and ggml_kernels/ copied in."""
     sdist = fetch_sdist(cache / "sdist")
     staged = extract_sdist(sdist, into)
     names = apply_patches(staged, repo / "patches")
     log(f"applied {len(names)} patch(es): {', '.join(names) or '-'}")
+    # after the patches: a patch cannot edit a native file (it is not there yet), and copy_native
+    # refuses to overwrite a file a patch created
+    log(f"copied {len(copy_native(staged, repo))} native source(s)")
     kernels = repo / "ggml_kernels"
     if kernels.is_dir():
         shutil.copytree(kernels, staged / "vendor" / "llama.cpp" / "pask_kernels",

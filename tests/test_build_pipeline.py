@@ -1,5 +1,6 @@
-"""The patch pipeline of scripts/build_llama.py: patches apply in order, a broken one is named,
-the cache key follows patches/ and flags, and the installed libllama carries the series hash."""
+"""The patch pipeline of scripts/build_llama.py: patches apply in order and only edit upstream files (one
+patch per file), native/'s sources land in the tree unchanged, a broken patch is named, the cache key
+follows patches/, native/ and flags, and the installed libllama carries the series hash."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pristine_tree(build_script, tmp_path_factory) -> Path:
@@ -17,10 +20,17 @@ def pristine_tree(build_script, tmp_path_factory) -> Path:
 
 
 def _copy_series(src: Path, dst: Path) -> Path:
-    for sub in ("patches", "ggml_kernels"):
+    for sub in ("patches", "native", "ggml_kernels"):
         if (src / sub).is_dir():
             shutil.copytree(src / sub, dst / sub)
     return dst
+
+
+def _patched_files(patch: Path) -> list[tuple[str, str]]:
+    """(old, new) path of each file section of a unified diff: a ``---`` line, ``+++``, then a hunk."""
+    lines = patch.read_text().splitlines()
+    return [(lines[i][4:].split("\t")[0], lines[i + 1][4:].split("\t")[0]) for i in range(len(lines) - 2)
+            if lines[i].startswith("--- ") and lines[i + 1].startswith("+++ ") and lines[i + 2].startswith("@@ ")]
 
 
 def test_series_applies_on_the_pinned_sdist(build_script, pristine_tree, tmp_path):
@@ -29,8 +39,52 @@ def test_series_applies_on_the_pinned_sdist(build_script, pristine_tree, tmp_pat
     applied = build_script.apply_patches(tree, REPO / "patches")
     assert applied == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
     assert applied[0] == "0001-pask-version.patch"
+    build_script.copy_native(tree, REPO)
     header = (tree / "vendor" / "llama.cpp" / "include" / "pask.h").read_text()
     assert "pask_patch_version" in header
+
+
+def test_patches_only_edit_upstream_files_one_patch_each(build_script):
+    """New files live in native/, not in patches; each upstream file is edited by exactly one patch,
+    so a patch never depends on the hunks of another and none edits a native source."""
+    native = {f"vendor/llama.cpp/{rel.as_posix()}" for rel in build_script.native_sources(REPO)}
+    owner: dict[str, str] = {}
+    for patch in sorted((REPO / "patches").glob("*.patch")):
+        files = _patched_files(patch)
+        assert files, f"{patch.name} edits no file"
+        assert "new file mode" not in patch.read_text(), patch.name
+        for old, new in files:
+            assert old != "/dev/null", f"{patch.name} creates {new}: put it in native/"
+            assert new != "/dev/null", f"{patch.name} deletes {old}"
+            path = new.removeprefix("b/")
+            assert old.removeprefix("a/") == path, f"{patch.name} renames {old}"
+            assert path not in native, f"{patch.name} edits native/'s {path}"
+            assert path not in owner, f"{path} is edited by {owner.get(path)} and {patch.name}"
+            owner[path] = patch.name
+
+
+def test_native_sources_land_in_the_tree_unchanged(build_script, pristine_tree, tmp_path):
+    """Every file of native/ but its README is a new file of the prepared tree, byte for byte."""
+    sources = build_script.native_sources(REPO)
+    assert Path("include/pask.h") in sources and Path("src/pask-kv-step.cpp") in sources
+    assert Path("README.md") not in sources
+    staged, _ = build_script.stage_tree(REPO, build_script.cache_dir(), tmp_path)
+    for rel in sources:
+        assert not (pristine_tree / "vendor" / "llama.cpp" / rel).exists(), f"native/{rel} is an upstream file"
+        got = (staged / "vendor" / "llama.cpp" / rel).read_bytes()
+        assert got == (REPO / "native" / rel).read_bytes(), f"native/{rel} changed on its way into the tree"
+
+
+def test_native_source_may_not_replace_an_upstream_file(build_script, pristine_tree, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine_tree, tree, symlinks=True)
+    repo = tmp_path / "repo"
+    (repo / "native" / "src").mkdir(parents=True)
+    (repo / "native" / "src" / "pask-new.cpp").write_text("// ours\n")
+    assert build_script.copy_native(tree, repo) == ["src/pask-new.cpp"]
+    (repo / "native" / "src" / "llama-graph.cpp").write_text("// a whole upstream file\n")
+    with pytest.raises(build_script.BuildError, match="native/src/llama-graph.cpp would replace"):
+        build_script.copy_native(tree, repo)
 
 
 def test_broken_patch_is_named(build_script, pristine_tree, tmp_path):
@@ -42,7 +96,7 @@ def test_broken_patch_is_named(build_script, pristine_tree, tmp_path):
     (patches / "0001-pask-version.patch").write_text(good)
     # A patch whose context does not exist upstream.
     broken = good.replace("    unicode.cpp\n", "    unicode-that-does-not-exist.cpp\n")
-    broken = broken.replace("pask-version.cpp", "pask-other.cpp").replace("include/pask.h", "include/pask2.h")
+    assert broken != good
     (patches / "0002-broken.patch").write_text(broken)
     with pytest.raises(build_script.PatchError, match="0002-broken.patch does not apply"):
         build_script.apply_patches(tree, patches)
@@ -60,7 +114,13 @@ def test_cache_key_follows_patches_and_flags(build_script, tmp_path):
     assert changed.key != base.key
     (repo / "ggml_kernels").mkdir(exist_ok=True)
     (repo / "ggml_kernels" / "new-op.c").write_text("/* kernel */\n")
-    assert build_script.make_plan(cuda=False, avx512=True, repo=repo).key != changed.key
+    kernel = build_script.make_plan(cuda=False, avx512=True, repo=repo)
+    assert kernel.key != changed.key
+    src = repo / "native" / "src" / "pask-version.cpp"
+    src.write_text(src.read_text() + "// edited\n")
+    edited = build_script.make_plan(cuda=False, avx512=True, repo=repo)
+    assert edited.series_hash != kernel.series_hash and edited.key != kernel.key
+    assert f"-DPASK_PATCH_SERIES={edited.series_hash}" in edited.flags
 
 
 def test_portable_flags_never_enable_amx(build_script):
