@@ -82,6 +82,14 @@ def eval_command(
     policy: Annotated[Path | None, typer.Option("--policy", help="A policy file (pask-local calibrate) for pask, "
                                                 "pask-attn, pask-hybrid and pask-tools; the other methods run "
                                                 "as always. Default: the model's own policy.")] = None,
+    catalog_tokens: Annotated[int | None, typer.Option("--catalog-tokens", help="Catalog workload: each group "
+                                                       "of cases shares one tool list of about N tokens (its "
+                                                       "cases' own functions + distractors from other cases of "
+                                                       "the split; docs/catalogs.md).", show_default=False)] = None,
+    catalog_group: Annotated[int, typer.Option("--catalog-group", help="With --catalog-tokens: cases per "
+                                               "group (one catalog each).")] = 5,
+    catalog_seed: Annotated[int, typer.Option("--catalog-seed", help="With --catalog-tokens: the seed of the "
+                                              "distractor draw (recorded per group in run.json).")] = 0,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -113,6 +121,10 @@ def eval_command(
         raise PaskError("--fidelity-refs needs --fidelity")
     if fidelity_refs is not None and fidelity_refs.exists() and not fidelity_refs.is_dir():
         raise PaskError(f"--fidelity-refs {fidelity_refs} is not a directory")
+    if catalog_tokens is not None and catalog_tokens < 1:
+        raise PaskError(f"--catalog-tokens must be positive, got {catalog_tokens}")
+    if catalog_group < 1:
+        raise PaskError(f"--catalog-group must be at least 1, got {catalog_group}")
     if policy is not None:
         from ..engine.factory import POLICY_METHODS
         from ..policy.schema import Policy
@@ -124,7 +136,8 @@ def eval_command(
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style, fidelity=fidelity, fidelity_refs=fidelity_refs, hysteresis=hysteresis,
-                     compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy)
+                     compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy,
+                     catalog_tokens=catalog_tokens, catalog_group=catalog_group, catalog_seed=catalog_seed)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -4,6 +4,10 @@ A BFCL case file holds one JSON object per line (or one JSON array) with ``id``,
 list of turns, each a list of ``{"role", "content"}`` messages) and ``function`` (the tool list,
 Gorilla/BFCL schema with ``"type": "dict"``). Possible answers are ``{"id", "ground_truth"}`` objects,
 either in the same objects or in a second file. ``Case`` is the harness's view of one entry.
+
+A turn may be a whole conversation in OpenAI's message format, as ``pask-local run --messages``
+reads it (``chat.messages.parse_messages``): assistant messages with ``tool_calls`` and ``tool``
+results naming them by ``tool_call_id``. It is kept whole and the answer is the next call(s).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Any
 
+from ..chat.messages import Message, MessageError, parse_messages
 from ..errors import PaskError
 
 # Our category names (BFCL v4 naming) in the order tables list them.
@@ -38,13 +43,20 @@ class DataError(PaskError):
 
 @dataclass(frozen=True)
 class Case:
-    """One single-turn BFCL entry."""
+    """One single-turn BFCL entry (its turn may be a conversation with earlier calls and results).
+
+    ``functions`` are the case's own functions (what the checker scores against); ``tools``, when
+    set, is what the prompt shows instead (a catalog workload: ``eval.catalog``), ``meta`` what the
+    result record notes about it.
+    """
 
     id: str
     category: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     functions: list[dict[str, Any]]
     answer: list[dict[str, Any]] | None = field(default=None, compare=False)
+    tools: list[dict[str, Any]] | None = field(default=None, compare=False)
+    meta: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def request(self) -> str:
@@ -55,6 +67,20 @@ class Case:
     def system(self) -> str | None:
         texts = [m["content"] for m in self.messages if m.get("role") == "system"]
         return "\n".join(texts) if texts else None
+
+    @property
+    def is_conversation(self) -> bool:
+        """The turn holds earlier assistant messages or tool results (handed to the model whole)."""
+        return any(m.get("role") in ("assistant", "tool") for m in self.messages)
+
+    def conversation(self) -> list[Message]:
+        """The turn as typed messages (validated when the case was read)."""
+        return parse_messages(self.messages)
+
+    @property
+    def prompt_functions(self) -> list[dict[str, Any]]:
+        """The tools the prompt shows: the catalog when there is one, else the case's own functions."""
+        return self.tools if self.tools is not None else self.functions
 
     @property
     def checker_category(self) -> str:
@@ -134,9 +160,7 @@ def _to_case(rec: dict[str, Any], answer: list[dict[str, Any]] | None, category:
         question = [question]
     if len(question) != 1:
         raise DataError(f"{where}: entry {rec['id']!r} is multi-turn; only single-turn cases are supported")
-    messages = question[0]
-    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise DataError(f"{where}: entry {rec['id']!r} has messages without role/content")
+    messages = _messages(question[0], f"{where}: entry {rec['id']!r}")
     functions = rec["function"]
     if isinstance(functions, dict):
         functions = [functions]
@@ -145,10 +169,37 @@ def _to_case(rec: dict[str, Any], answer: list[dict[str, Any]] | None, category:
     return Case(
         id=str(rec["id"]),
         category=category,
-        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+        messages=messages,
         functions=functions,
         answer=answer,
     )
+
+
+def _messages(raw: Any, where: str) -> list[dict[str, Any]]:
+    """A turn's messages, validated as ``run --messages`` validates them and normalized to OpenAI
+    dicts: role and content, plus ``tool_calls`` / ``tool_call_id`` where a conversation has them."""
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise DataError(f"{where}: a turn must be a list of message objects")
+    if not all("role" in m and ("content" in m or m.get("role") == "assistant") for m in raw):
+        raise DataError(f"{where}: has messages without role/content")
+    # parse_messages says "references call id ..." for this too; name the actual mistake
+    for i, m in enumerate(raw):
+        if m.get("role") == "tool" and not any(p.get("role") == "assistant" and p.get("tool_calls")
+                                                for p in raw[:i]):
+            raise DataError(f"{where}: messages[{i}]: a tool result with no earlier assistant 'tool_calls'")
+    try:
+        parsed = parse_messages(raw)
+    except MessageError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    out: list[dict[str, Any]] = []
+    for m in parsed:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [c.to_openai() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 def load_bundled(category: str) -> list[Case]:

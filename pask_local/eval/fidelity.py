@@ -111,7 +111,8 @@ def forced_run(engine: Any, task: Task, forced: Sequence[int] | None = None,
         return made[-1]
 
     forced_engine = Engine(engine.model, engine.method, engine.cfg, decoder_factory=factory)
-    res = forced_engine.run(task.functions, task.request, parallel=task.parallel, examples=task.examples)
+    res = forced_engine.chat(task.conversation(), task.functions, "required", parallel=task.parallel,
+                             examples=task.examples)
     return res, made[-1]
 
 

@@ -215,7 +215,8 @@ class EngineGenerator:
         t0 = time.perf_counter()
         task = make_task(case, self.spec.use_examples)
         try:
-            res = self.engine.run(task.functions, task.request, parallel=task.parallel, examples=task.examples)
+            res = self.engine.chat(task.conversation(), task.functions, "required", parallel=task.parallel,
+                                   examples=task.examples)
         except PaskError as exc:
             return _failed(f"{type(exc).__name__}: {exc}", t0)
         return _engine_output(res, time.perf_counter() - t0)
@@ -268,14 +269,13 @@ class SharedPrefillGenerator:
         return _RunView(*run)
 
     def generate_many(self, case: Case, runs: list[Run]) -> dict[Run, GenerationOutput]:
-        from ..chat.messages import user_message
         from ..engine.shared import run_shared
 
         t0 = time.perf_counter()
         task = make_task(case, self.spec.use_examples)
         engines = [self.engines[r] for r in runs]
         try:
-            prepared = [e.prepare(user_message(task.request), task.functions, "required", task.parallel,
+            prepared = [e.prepare(task.conversation(), task.functions, "required", task.parallel,
                                   task.examples) for e in engines]
             results = run_shared(engines, prepared)
         except PaskError as exc:

@@ -11,7 +11,9 @@ examples), ``auto`` native when the template has it. This module decides:
   evaluation case and not tuned on results; shown as (request, call JSON) pairs;
 - the call shape: a JSON list of calls for the parallel categories, one call object otherwise
   (``is_parallel``);
-- the request text: the user's message, preceded by the case's system message when it has one.
+- the request text: the user's message, preceded by the case's system message when it has one;
+- a conversation (a dataset turn with earlier ``tool_calls`` and ``tool`` results) is handed to the
+  prompt whole, as the message list ``run --messages`` would render (``Task.messages``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.messages import ToolChoice, user_message
+from ..chat.messages import Message, ToolChoice, user_message
 from ..chat.protocol import Plan, plan
 from ..errors import PaskError
 from ..llm import Model
@@ -38,12 +41,20 @@ EXAMPLE_MAX_FUNCTION_CHARS = 1200
 
 @dataclass(frozen=True)
 class Task:
-    """The inputs of one generation: BFCL functions, request, examples, and call shape."""
+    """The inputs of one generation: BFCL functions, request, examples, and call shape.
+
+    ``messages``: the whole conversation when the case has one (None: ``request`` is the one user turn).
+    """
 
     functions: list[dict[str, Any]]
     request: str
     examples: list[tuple[str, str]]
     parallel: bool
+    messages: tuple[Message, ...] | None = None
+
+    def conversation(self) -> list[Message]:
+        """The messages the prompt renders."""
+        return list(self.messages) if self.messages is not None else user_message(self.request)
 
 
 def is_parallel(case: Case) -> bool:
@@ -92,7 +103,27 @@ def request_text(case: Case) -> str:
 def make_task(case: Case, use_examples: bool = True) -> Task:
     parallel = is_parallel(case)
     examples = example_pairs(pick_examples(), parallel) if use_examples else []
-    return Task(case.functions, request_text(case), examples, parallel)
+    messages = None
+    if case.is_conversation:
+        messages = tuple(case.conversation())
+        if case.tools is not None:
+            # a catalog is a shared prefix: the case's system text joins its own turn, as request_text does
+            messages = fold_system(messages)
+    return Task(case.prompt_functions, request_text(case), examples, parallel, messages)
+
+
+def fold_system(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """System messages moved into the first user message (``system\n\nuser``), so the prompt's
+    system + tools prefix is the template's own and equal for every case."""
+    system = "\n".join(m.content or "" for m in messages if m.role == "system")
+    rest = [m for m in messages if m.role != "system"]
+    if not system:
+        return tuple(rest)
+    for i, m in enumerate(rest):
+        if m.role == "user":
+            rest[i] = Message("user", f"{system}\n\n{m.content or ''}")
+            break
+    return tuple(rest)
 
 
 # --prompt-style -> the engine's prompt style (chat.protocol.STYLES)
@@ -108,7 +139,7 @@ def check_prompt_style(style: str) -> str:
 
 def task_plan(model: Model, task: Task, style: str, max_string: int | None, max_calls: int | None) -> Plan:
     """The protocol plan of one case: a call is required (BFCL asks for calls)."""
-    return plan(model, as_tools(task.functions), user_message(task.request), ToolChoice("required"),
+    return plan(model, as_tools(task.functions), task.conversation(), ToolChoice("required"),
                 parallel=task.parallel, style=ENGINE_STYLES[style], examples=task.examples,
                 max_string=max_string, max_calls=max_calls)
 
@@ -120,3 +151,36 @@ def checker_text(p: Plan, raw: str, finish: str, max_tokens: int) -> tuple[str, 
         return raw, {}
     parsed = p.parse(raw, finish, max_tokens).parsed
     return (json.dumps(parsed, ensure_ascii=False) if parsed is not None else raw), {"raw_output": raw}
+
+
+def render_tokens(model: Model, task: Task, style: str) -> list[int]:
+    """The prompt tokens ``task_plan`` would give, without building the grammar (cheap enough to
+    measure every case before a run, and every candidate catalog)."""
+    from ..chat.protocol import resolve_style
+    from ..tagging.native import render_native
+    from ..tagging.prompt import bos_text, map_spans, render_prompt
+
+    rendering, fmt = resolve_style(model, ENGINE_STYLES[style])
+    tools = as_tools(task.functions) if task.functions else []  # none: the bare template (catalog counts)
+    messages = task.conversation()
+    if fmt is None:
+        request: str | list[Message] = messages
+        if len(messages) == 1 and messages[0].role == "user":
+            request = messages[0].content or ""
+        return render_prompt(model, tools, request, examples=task.examples, parallel=task.parallel,
+                             style=rendering).tokens
+    template = model.chat_template()
+    assert template is not None
+    spans = render_native(template, tools, messages, bos_text=bos_text(model), strip_bos=model.add_bos)
+    return map_spans(model, spans, special_template=True)[0]
+
+
+def prefix_counter(model: Model, style: str, use_examples: bool = True) -> Callable[[list[dict[str, Any]]], int]:
+    """``count(functions)``: tokens of the prompt that shows ``functions`` with an empty user turn:
+    the system + tools prefix every case of a catalog group shares (plus the few tokens of the turn)."""
+    examples = example_pairs(pick_examples(), False) if use_examples else []
+
+    def count(functions: list[dict[str, Any]]) -> int:
+        return len(render_tokens(model, Task(functions, "", examples, False), style))
+
+    return count

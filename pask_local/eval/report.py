@@ -15,6 +15,7 @@ from typing import Any
 
 from .data import Case
 from .fidelity import GROUP_NAMES, pool
+from .sizing import load_skipped
 from .store import ResultStore, budget_key
 
 SUMMARY_FILE = "summary.json"
@@ -66,7 +67,9 @@ def summarize(store: ResultStore, cases: list[Case], runs: list[tuple[str, float
             f = full["categories"][cat]["accuracy"] if full else None
             v["retention"] = v["accuracy"] / f if f and v["accuracy"] is not None else None
     complete = all(r["n"] == len(cases) for r in rows)
-    return {"categories": categories, "n_cases": len(cases), "complete": complete, "runs": rows}
+    # cases no method ran (too long for the model's context: eval.sizing); never scored for any
+    skipped = [s.line() for s in load_skipped(store.dir)]
+    return {"categories": categories, "n_cases": len(cases), "complete": complete, "runs": rows, "skipped": skipped}
 
 
 def _agreement(store: ResultStore, cases: list[Case], method: str, budget: float | None) -> float | None:
@@ -118,6 +121,9 @@ def markdown(summary: dict[str, Any]) -> str:
               f"Cases per category: {counts}."]
     if fid:
         lines += ["", *fidelity_markdown(summary)]
+    if summary.get("skipped"):
+        lines += ["", f"Skipped for every method ({len(summary['skipped'])}):", "",
+                  *(f"- {line}" for line in summary["skipped"])]
     return "\n".join(lines) + "\n"
 
 

@@ -3,8 +3,13 @@
 ``run_eval`` loads the cases (bundled categories or ``--dataset``), keeps those of the requested
 split, applies the per-category ``limit`` (first N in file order), then for each (method, budget)
 generates and scores the cases the result store does not hold yet (``report_only``: none). A
-generator is only built when it has work, so a finished run re-reports without loading the model. A rich progress bar shows the
+generator is only built when it has work, so a finished run re-reports without generating. A rich progress bar shows the
 count, the running accuracy and the ETA.
+
+Before generating, the cases are measured with the model's tokenizer: with ``catalog_tokens`` each
+case gets its group's tool catalog (``eval.catalog``); then Full KV's context is sized from the
+longest case, and a case too long for the model's trained context is skipped for every method
+(``eval.sizing``), so no method is scored on a case another could not run.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from rich.progress import (
 )
 
 from ..errors import PaskError
+from .catalog import DEFAULT_GROUP_SIZE, apply_catalogs
 from .checker import score_output
-from .data import Case, load_cases
+from .data import CATEGORIES, Case, load_cases
 from .fidelity import REF_DIR, FidelityMeter
 from .generator import Generator, GeneratorSpec, SharedPrefillGenerator, check_methods, make_generator
-from .prompting import pick_examples
+from .prompting import make_task, pick_examples, prefix_counter, render_tokens
+from .sizing import load_skipped, save_skipped, size_context
 from .split import select
 from .store import ResultStore, record_key
 
@@ -50,7 +57,7 @@ class EvalConfig:
     dataset: Path | None = None
     answers: Path | None = None
     max_tokens: int = 256
-    n_ctx: int = 8192
+    n_ctx: int | None = None    # Full KV's context cap; None: the model's trained context (sized per run: eval.sizing)
     use_examples: bool = True
     prompt_style: str = "auto"
     hysteresis: float = 0.02    # EngineConfig.hysteresis of every method
@@ -61,6 +68,9 @@ class EvalConfig:
     policy: Path | None = None  # a policy file for pask, pask-attn, pask-hybrid, pask-tools (default: the model's)
     fidelity: bool = False      # also teacher-force each method along Full KV's output (eval.fidelity)
     fidelity_refs: Path | None = None  # where Full KV's references live (default: out / REF_DIR); shareable
+    catalog_tokens: int | None = None  # each group of cases shares a tool catalog of about this many tokens
+    catalog_group: int = DEFAULT_GROUP_SIZE  # cases per catalog group
+    catalog_seed: int = 0              # the distractor draw's seed (each group's is derived from it)
 
     @property
     def ref_dir(self) -> Path:
@@ -133,17 +143,19 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
     return {
         "model": str(cfg.gguf), "model_bytes": size, "split": cfg.split,
         "dataset": str(cfg.dataset) if cfg.dataset else None, "max_tokens": cfg.max_tokens,
-        "n_ctx": cfg.n_ctx, "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
+        "n_ctx": cfg.n_ctx if cfg.n_ctx is not None else "auto", "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
         "hysteresis": cfg.hysteresis, "compact": cfg.compact, "kv_type": cfg.kv_type,
         "share_prefill": cfg.share_prefill,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
         "policy": _policy_id(cfg.policy),
+        "catalog": ({"tokens": cfg.catalog_tokens, "group": cfg.catalog_group, "seed": cfg.catalog_seed}
+                    if cfg.catalog_tokens is not None else None),
     }
 
 
 # the manifest entries Full KV's reference of a case depends on (a shared --fidelity-refs checks them)
 REFERENCE_KEYS = ("model", "model_bytes", "dataset", "max_tokens", "n_ctx", "bfcl_eval", "prompt_style",
-                  "kv_type", "examples")
+                  "kv_type", "examples", "catalog")
 
 
 def reference_settings(m: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +185,7 @@ def _record(case: Case, gen: Generator, out: Any) -> dict[str, Any]:
         "n_generated": out.n_generated, "seconds": round(out.seconds, 4),
         "prefill_seconds": round(out.prefill_seconds, 4),
         **({"stats": out.extra} if out.extra else {}),
+        **({"catalog": case.meta} if case.meta else {}),
     }
 
 
@@ -185,16 +198,48 @@ def _done(store: ResultStore, case: Case, run: tuple[str, float | None], fidelit
 GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 
 
-def _spec(cfg: EvalConfig, budget: float | None) -> GeneratorSpec:
-    return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, cfg.n_ctx, use_examples=cfg.use_examples,
+def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int) -> GeneratorSpec:
+    return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
                          kv_type=cfg.kv_type, policy=cfg.policy)
 
 
+def _split_pool(cfg: EvalConfig) -> list[Case]:
+    """Every case of the run's split, whatever ``--categories`` and ``--limit`` keep: the groups
+    and the distractors of a catalog come from here, so they do not change with the selection."""
+    loaded = load_cases(None, cfg.dataset, cfg.answers) if cfg.dataset else load_cases(list(CATEGORIES))
+    return select(loaded, cfg.split)
+
+
+def prepare_cases(cfg: EvalConfig, cases: list[Case], report: Callable[[str], None]) -> tuple[list[Case], int]:
+    """(the cases every method runs, Full KV's context): catalogs applied, cases that fit none
+    skipped (saved in the output directory, one line each reported)."""
+    from ..llm import Model
+
+    model = Model(cfg.gguf)
+    try:
+        limit = min(cfg.n_ctx or model.n_ctx_train, model.n_ctx_train)
+        if cfg.catalog_tokens is not None:
+            count = prefix_counter(model, cfg.prompt_style, cfg.use_examples)
+            cases = apply_catalogs(cases, _split_pool(cfg), cfg.catalog_tokens, count, cfg.catalog_group,
+                                   cfg.catalog_seed, n_ctx_train=limit)
+        lengths = {c.id: len(render_tokens(model, make_task(c, cfg.use_examples), cfg.prompt_style)) for c in cases}
+    finally:
+        model.close()
+    n_ctx, skipped = size_context(lengths, cfg.max_tokens, limit)
+    if skipped:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        save_skipped(cfg.out, skipped)
+    for s in skipped:
+        report(s.line())
+    gone = {s.id for s in skipped}
+    return [c for c in cases if c.id not in gone], n_ctx
+
+
 def _run_shared(cfg: EvalConfig, cases: list[Case], pending: dict, store: ResultStore, progress: Any,
-                task: Any) -> None:
+                task: Any, n_ctx: int) -> None:
     """The pending runs that can share a prefill, case by case; their pending lists are emptied."""
-    gen = SharedPrefillGenerator([r for r in pending if pending[r]], _spec(cfg, None))
+    gen = SharedPrefillGenerator([r for r in pending if pending[r]], _spec(cfg, None, n_ctx))
     try:
         if len(gen.runs) < 2:
             return
@@ -221,9 +266,26 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
     """Generate and score every pending (case, method, budget); returns the store, cases and runs."""
     runs = runs_of(cfg.methods, cfg.budgets)
     console = console or Console(stderr=True)
-    cases = select_cases(cfg, lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True))
+
+    def say(line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    selection: list[str] = []  # said once the cases are prepared: a bad --catalog-tokens stays one line
+    cases = select_cases(cfg, selection.append)
+    n_ctx = cfg.n_ctx or 0
+    if cfg.report_only:
+        skipped = {s.id for s in load_skipped(cfg.out)}  # too long for the model: no method ran them
+        cases = [c for c in cases if c.id not in skipped]
+    else:
+        # before the store pins the settings: a catalog that cannot be built leaves no run.json behind
+        cases, n_ctx = prepare_cases(cfg, cases, selection.append)
+        selection.append(f"Full KV context: {n_ctx} tokens (the longest case + max_tokens)")
     run_manifest = manifest(cfg)
     store = ResultStore(cfg.out, run_manifest)
+    if cfg.catalog_tokens is not None and not cfg.report_only:
+        store.note_cases("catalog_cases", {c.id: c.meta for c in cases if c.meta})
+    for line in selection:
+        say(line)
     pending = {run: [] if cfg.report_only else [c for c in cases if not _done(store, c, run, cfg.fidelity)]
                for run in runs}
     meter = (FidelityMeter(cfg.ref_dir, cfg.use_examples, reference_settings(run_manifest))
@@ -234,11 +296,11 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
     with Progress(*columns, console=console, disable=total == 0) as progress:
         task = progress.add_task("eval", total=total)
         if cfg.share_prefill and meter is None and sum(1 for r in runs if r[1] is not None and pending[r]) > 1:
-            _run_shared(cfg, cases, pending, store, progress, task)
+            _run_shared(cfg, cases, pending, store, progress, task, n_ctx)
         for (method, budget), todo in pending.items():
             if not todo:
                 continue
-            gen = factory(method, _spec(cfg, budget))
+            gen = factory(method, _spec(cfg, budget, n_ctx))
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0
             try:

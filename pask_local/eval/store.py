@@ -18,7 +18,9 @@ from ..errors import PaskError
 CASES_FILE = "cases.jsonl"
 RUN_FILE = "run.json"
 # settings added after run.json files were written: missing in an old one means None (the default)
-LATER_KEYS = ("policy",)
+LATER_KEYS = ("policy", "catalog")
+# per-case notes (``note_cases``): merged across resumed runs, never compared as settings
+NOTE_KEYS = ("catalog_cases",)
 
 
 def budget_key(budget: float | None) -> str:
@@ -63,7 +65,22 @@ class ResultStore:
             if diff:
                 raise PaskError(f"{self.dir} holds results made with different settings ({', '.join(diff)}); "
                                 "use another --out directory")
+            manifest = {**manifest, **{k: old[k] for k in NOTE_KEYS if k in old}}
         path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+    def note_cases(self, key: str, entries: dict[str, Any]) -> None:
+        """Merge per-case notes (case id -> what was run) into ``run.json`` under ``key``; a note that
+        contradicts an earlier run's for the same case is refused (the finished case would not be
+        the case asked for)."""
+        path = self.dir / RUN_FILE
+        data = json.loads(path.read_text())
+        notes = data.setdefault(key, {})
+        diff = [cid for cid, v in entries.items() if cid in notes and notes[cid] != v]
+        if diff:
+            raise PaskError(f"{self.dir} holds case {diff[0]!r} run with another {key} entry; use another "
+                            "--out directory")
+        notes.update(entries)
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
     def done(self, case_id: str, method: str, budget: float | None) -> bool:
         return record_key(case_id, method, budget) in self.records
