@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# the product defaults to the strongest installed instruct model; the suite pins the small base model
+# wherever a test runs the default (a test of the choice itself clears this)
+os.environ.setdefault("PASK_DEFAULT_MODEL", "gemma3-270m")
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +30,9 @@ def build_script():
 
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
-    from pask_local.models import default_model_path
+    from pask_local.models import named_model_path
 
-    return default_model_path()
+    return named_model_path("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +81,4 @@ def compression(trace) -> dict[int, list[int]]:
     """A trace's one-time compression after the prompt: layer -> the positions its scores evicted."""
     return {layer: sorted(pos) for (step, layer, rule), pos in evictions(trace).items()
             if step == -1 and rule == "score"}
+

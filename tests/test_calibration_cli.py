@@ -15,6 +15,8 @@ from pask_local.errors import PaskError
 from pask_local.eval.split import split_of
 from pask_local.policy.schema import Policy
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):

@@ -12,6 +12,8 @@ from pask_local.classes import StructuralClass as C
 from pask_local.eval.prompting import make_task, task_plan
 from pask_local.llm import Model
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def qwen(qwen05_path) -> Model:

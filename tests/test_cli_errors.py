@@ -7,6 +7,8 @@ import json
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = str(REPO / "examples" / "get_weather.json")
 
 

@@ -138,6 +138,7 @@ def test_qwen_catalog_prefix_is_shared_by_a_groups_cases(pool, qwen05_path):
     assert all(len(t) > common for t in toks)
 
 
+@pytest.mark.slow
 def test_eval_with_a_catalog_records_it_and_resumes(tmp_path, qwen05_path):
     """End to end on Qwen2.5-Coder-0.5B: two cases of one group share the catalog (Full KV reuses its
     prefill from the first case), records and run.json note the catalog, a resume keeps every case."""
@@ -171,6 +172,7 @@ def test_eval_with_a_catalog_records_it_and_resumes(tmp_path, qwen05_path):
     assert len(cases3) == 3 and all(grown.records[k] == v for k, v in store.records.items())
 
 
+@pytest.mark.slow
 def test_cli_bad_catalog_tokens_is_one_line(tmp_path, qwen05_path, cli):
     for tokens, msg in (("5", "is smaller than group live_multiple/0's own functions"),
                         ("100000", "is larger than the model's trained context (32768)"),

@@ -84,6 +84,7 @@ def test_bad_conversations_are_one_line_naming_the_case(tmp_path, turn, msg):
     assert msg in text and "'bad_case_7'" in text and "\n" not in text, text
 
 
+@pytest.mark.slow
 def test_eval_runs_a_conversation_case_with_full_and_a_budget(tmp_path, qwen05_path, cli):
     out = tmp_path / "res"
     r = cli("eval", "--dataset", str(_write(tmp_path, TURN)), "--gguf", str(qwen05_path), "--methods",

@@ -97,6 +97,7 @@ def test_missing_answers_and_files(tmp_path):
         load_cases(None, tmp_path / "missing.jsonl")
 
 
+@pytest.mark.slow
 def test_user_dataset_is_evaluated_whole_unless_a_split_is_given(tmp_path, cli):
     # a user's own file: every case by default (the hashed eval split would silently drop ~25%)
     path = tmp_path / "mine.jsonl"
@@ -113,6 +114,7 @@ def test_user_dataset_is_evaluated_whole_unless_a_split_is_given(tmp_path, cli):
     assert f"5 of 23 cases from {path}: the eval split (hashed case ids) keeps {n_eval}, --limit 5" in split.stderr
 
 
+@pytest.mark.slow
 def test_eval_records_the_engine_settings_and_refuses_bad_hysteresis(tmp_path, cli):
     """--hysteresis / --compact reach the run manifest (a directory made with other settings is
     refused, not mixed); an out-of-range --hysteresis is a one-line error."""

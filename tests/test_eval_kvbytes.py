@@ -18,6 +18,8 @@ from gguf import GGUFReader
 from pask_local.eval.kvbytes import kv_bytes, round_up
 from pask_local.eval.study import StudyError
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "study_kv_bytes.py"
 
 

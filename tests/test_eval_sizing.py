@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
 from eval_helpers import FN
 from rich.console import Console
 
@@ -30,6 +31,7 @@ def test_skipped_list_survives_a_resume(tmp_path):
     assert [s.id for s in load_skipped(tmp_path)] == ["x", "y"]
 
 
+@pytest.mark.slow
 def test_a_case_too_long_for_the_context_is_skipped_for_every_method(tmp_path, gemma_path):
     long_fn = {**FN, "name": "get_forecast", "description": "Forecast. " + "Very detailed notes. " * 200}
     path = tmp_path / "mine.jsonl"

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_study.py"
 spec = importlib.util.spec_from_file_location("eval_study", SCRIPT)
 study_script = importlib.util.module_from_spec(spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from grammar_helpers import gemma, gemma_ctx
 from test_schema_tools import EXAMPLES
 
@@ -11,6 +12,8 @@ from pask_local.grammar.state import GrammarState
 from pask_local.schema.gbnf import build_grammar
 from pask_local.schema.tools import read_tools
 from pask_local.tagging.prompt import render_prompt
+
+pytestmark = pytest.mark.slow
 
 
 def test_greedy_equals_full_filter_on_random_logits() -> None:

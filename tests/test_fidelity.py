@@ -36,6 +36,8 @@ from pask_local.eval.runner import _done
 from pask_local.eval.store import ResultStore
 from pask_local.llm import Model
 
+pytestmark = pytest.mark.slow
+
 CITIES = ("Paris", "Oslo")
 
 

@@ -161,6 +161,7 @@ def test_random_json_is_tools_or_one_line_schema_error(data) -> None:
         build_grammar(specs)
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(tools=TOOLS, parallel=st.booleans(), seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.0, 1.0]))
 def test_random_tools_through_grammar_sampler_and_parser(synthetic: Model, tools: list, parallel: bool, seed: int,

@@ -14,6 +14,8 @@ import pytest
 from conftest import REPO
 from test_cli_errors import assert_one_line_error
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = str(REPO / "examples" / "get_weather.json")
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "Oslo"}'}}
 

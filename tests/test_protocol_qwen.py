@@ -21,6 +21,8 @@ from pask_local.llm import Model
 from pask_local.tagging.native import openai_tool, template_message
 from pask_local.tagging.template import render_template
 
+pytestmark = pytest.mark.slow
+
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 

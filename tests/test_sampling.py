@@ -18,6 +18,8 @@ from pask_local.llm import Model
 from pask_local.schema.gbnf import build_grammar
 from pask_local.schema.tools import read_tools
 
+pytestmark = pytest.mark.slow
+
 
 def test_probabilities_temperature_and_nucleus() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))

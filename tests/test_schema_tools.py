@@ -133,6 +133,7 @@ def test_enum_values_govern_a_type_they_do_not_match() -> None:
     assert not _grammar_takes(g, '{"name": "f", "arguments": {"n": "1", "m": "1"}}')
 
 
+@pytest.mark.slow
 def test_every_bfcl_tool_list_of_the_eight_categories_loads() -> None:
     # the real bfcl-eval data: before enum values governed, 3 of live_parallel_multiple's cases were
     # refused outright (a SchemaError for every method, Full KV's included)

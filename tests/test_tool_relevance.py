@@ -25,6 +25,8 @@ from pask_local.methods import LayerView
 from pask_local.methods.pask import class_indices
 from pask_local.tagging.relevance import tool_relevance, tool_scores, tool_segments, words
 
+pytestmark = pytest.mark.slow
+
 TOOLS = [
     {"name": "get_weather", "description": "Current weather for a city.",
      "parameters": {"type": "object", "properties": {
