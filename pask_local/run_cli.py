@@ -28,14 +28,12 @@ from .cli_options import (
 )
 from .errors import PaskError
 from .jsonfile import read_json_file
+from .methods.registry import DEFAULT_METHOD, POLICY_FILE_METHOD, choices_help
 
 PROMPT_STYLES = {"auto": "auto", "native": "native", "plain": "instruction"}
-METHOD_HELP = ("KV persistence method. Default: pask-hybrid (the variant best on the calibration split; it "
-               "prefills the prompt whole, then compresses), or pask when --policy is given. Choices: pask (the "
-               "model's calibrated policy, evicting while it prefills), full, streaming, h2o, snapkv, pyramidkv, tova, pask-prior "
-               "(PASK with the hand-written prior policy), pask-attn (PASK's class shares, ranked by "
-               "attention inside each class), pask-hybrid (structural floors; the rest of the budget "
-               "by attention) or pask-tools (PASK's class shares; the tools the query names persist first).")
+METHOD_HELP = (f"KV persistence method. Default: {DEFAULT_METHOD}, as the server's (the most accurate method of "
+               f"the method study that evicts while it reads), or {POLICY_FILE_METHOD} when --policy is given. "
+               f"`pask-local methods` lists them. Choices: {choices_help()}.")
 
 
 def _read_messages(path: Path) -> tuple[list, object | None, object | None]:
@@ -58,7 +56,9 @@ def run_command(
     schema: Annotated[Path | None, typer.Option("--schema", help="Tool definitions (OpenAI tools, JSON Schema "
                                                 "or BFCL functions), a JSON file.", show_default=False)] = None,
     gguf: Annotated[str | None, typer.Option("--gguf", help="GGUF model: path or hf://owner/repo/file.gguf. "
-                                             "Default: the named model gemma3-270m.", show_default=False)] = None,
+                                             "Default: the strongest installed instruct model (qwen2.5-coder-1.5b, "
+                                             "else -0.5b, else the base gemma3-270m with a notice).",
+                                             show_default=False)] = None,
     model: ModelOption = None,
     method: Annotated[str | None, typer.Option("--method", help=METHOD_HELP, show_default=False)] = None,
     budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,

@@ -239,7 +239,7 @@ def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model)
     does (A's prompt in chunks, A's tokens, drop from the common prefix on, B's rest in chunks),
     gives B's first logits bit for bit."""
     lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 512, slots=1)
-    pool = SlotPool(model, lay)
+    pool = SlotPool(model, lay, reuse="any")
     try:
         ea, log = engine(model, "full", 1.0), []
         pa = ea.prepare(user_message(ask("Paris")), WEATHER, "required")
@@ -270,7 +270,7 @@ def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model)
 
 def test_a_compressed_prefix_is_reused_within_the_budget(model):
     lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=1)
-    pool = SlotPool(model, lay)
+    pool = SlotPool(model, lay, reuse="any")  # (the exact mode reuses no compressed prefix)
     try:
         first = []
         for city in ("Paris", "Rome", "Paris"):
@@ -302,3 +302,52 @@ def test_no_reuse_after_a_sliding_window_moved_on(model):
         pool.close()
     assert results[0].stats["n_prompt"] > 512 and results[1].ok
     assert results[1].stats["prefix_reused"] == 0
+
+
+def test_exact_reuse_equals_a_fresh_prefill(model):
+    """Full KV pool, one slot, the default (exact) reuse: B after A starts from their common prefix cut
+    to a multiple of the chunk, and B's first logits equal upstream's fresh prefill of B alone (its
+    prompt in chunks of 64 from 0), bit for bit."""
+    lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 512, slots=1)
+    pool = SlotPool(model, lay)
+    try:
+        ea = engine(model, "full", 1.0)
+        pa = ea.prepare(user_message(ask("Paris")), WEATHER, "required")
+        pool.execute(ea, pa)
+        log: list = []
+        eb = engine(model, "full", 1.0, log)
+        pb = eb.prepare(user_message(ask("Berlin") + " Thanks."), WEATHER, "required")
+        b = pool.execute(eb, pb)
+    finally:
+        pool.close()
+    ta, tb = pa.plan.prompt.tokens, pb.plan.prompt.tokens
+    r = b.stats["prefix_reused"]
+    shared = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
+    assert r >= 64 and r % 64 == 0 and r <= shared < r + 64
+    ctx = Context(model, ContextConfig(n_ctx=512, n_batch=64))
+    try:
+        for i in range(0, len(tb), 64):
+            assert ctx.decode(tb[i:i + 64], i) == 0
+        np.testing.assert_array_equal(ctx.logits(), log[0])
+    finally:
+        ctx.close()
+
+
+def test_exact_reuse_takes_no_compressed_prefix(model):
+    """The default reuse: a method that evicts while it reads starts every request from a fresh stream,
+    so the same request gives the same first logits after another one (as with no cache at all)."""
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 512, slots=1)
+    pool = SlotPool(model, lay)
+    logs = []
+    try:
+        for city in ("Paris", "Rome", "Paris"):
+            log: list = []
+            e = engine(model, "pask-prior", 0.33, log)
+            r = pool.execute(e, e.prepare(user_message(ask(city)), WEATHER, "required"))
+            assert r.stats["prefix_reused"] == 0
+            logs.append((log, r.tokens))
+    finally:
+        pool.close()
+    assert pool.stats()["reused_prompt_tokens"] == 0
+    np.testing.assert_array_equal(logs[0][0][0], logs[2][0][0])
+    assert logs[0][1] == logs[2][1]

@@ -29,7 +29,7 @@ def model(gemma_path) -> Model:
 def submit_all(model, method, budget, questions, slots, cancelled=None):
     """Submit every question before the loop starts (reproducible batches); results, logs, pool."""
     lay = SlotPool.layout_for(model, make_method(method, model), budget, 512, slots=slots)
-    pool = SlotPool(model, lay, start=False)
+    pool = SlotPool(model, lay, start=False, reuse="any")  # the whole common prefix, compressed ones too
     logs = [[] for _ in questions]
     futures, prepared = [], []
     try:

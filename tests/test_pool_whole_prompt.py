@@ -35,10 +35,10 @@ def alone(model, method, question, trace):
     return e.execute(e.prepare(user_message(question), WEATHER, "required"), trace=trace), log
 
 
-def in_pool(model, requests, tmp_path, slots=3):
+def in_pool(model, requests, tmp_path, slots=3, reuse="exact"):
     """``requests``: (method, question) pairs, all submitted before the loop starts."""
     lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, SLOT_LEN, slots=slots)
-    pool = SlotPool(model, lay, start=False)
+    pool = SlotPool(model, lay, start=False, reuse=reuse)
     logs = [[] for _ in requests]
     futures = []
     try:
@@ -73,7 +73,7 @@ def test_the_window_chunk_gets_its_own_step_beside_decoding_requests(model, tmp_
     of it while reading): a method that compresses after a whole prefill reuses only a whole prefix."""
     a, b = same_length_cities(model, 2)
     reqs = [("pask-prior", ask(a)), ("snapkv", ask(b)), ("pask-prior", ask(CITIES[-1]) + " Please.")]
-    results, logs, pool = in_pool(model, reqs, tmp_path)
+    results, logs, pool = in_pool(model, reqs, tmp_path, reuse="any")  # pask-prior shares a compressed prefix
     assert [r.stats["prefix_source"] for r in results] == ["", "", "running"]
     alone(model, "snapkv", ask(b), tmp_path / "alone.jsonl")
     assert compression(tmp_path / "alone.jsonl") == compression(tmp_path / "pool-1.jsonl")

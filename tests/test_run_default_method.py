@@ -1,4 +1,5 @@
-"""`pask-local run` without --method runs pask-hybrid; with --policy and no --method, that policy as pask.
+"""`pask-local run` without --method runs pask-prior (the default it shares with `serve`); with --policy and
+no --method, that policy as pask.
 
 Real runs of the embedded Gemma 3 270M through the CLI; the method a run used is read from the
 engine's own ``--stats-json`` (and from the trace header), not from the CLI's arguments.
@@ -11,7 +12,9 @@ import json
 import pytest
 from conftest import REPO
 
-from pask_local.engine.factory import RUN_DEFAULT_METHOD, default_run_method
+from pask_local.engine.factory import DEFAULT_METHOD, default_run_method
+
+pytestmark = pytest.mark.slow
 
 SCHEMA = str(REPO / "examples" / "get_weather.json")
 GEMMA_POLICY = REPO / "pask_local" / "data" / "policies" / "gemma-3-270m-q4_k_m.json"
@@ -32,18 +35,18 @@ def _run(cli, tmp_path, *args: str) -> tuple[dict, dict]:
 
 
 def test_rule():
-    assert default_run_method(None, None) == RUN_DEFAULT_METHOD == "pask-hybrid"
+    assert default_run_method(None, None) == DEFAULT_METHOD == "pask-prior"
     assert default_run_method(None, "policy.json") == "pask"
     assert default_run_method("snapkv", None) == "snapkv"
     assert default_run_method("pask-attn", "policy.json") == "pask-attn"
 
 
-def test_run_without_method_is_pask_hybrid(cli, tmp_path):
+def test_run_without_method_is_pask_prior(cli, tmp_path):
     stats, header = _run(cli, tmp_path)
-    assert stats["method"] == "pask-hybrid"
-    assert header["method"] == "pask-hybrid"
-    # it read attention statistics (its residual goes by attention), at run's default budget
-    assert stats["graph_stats"] is True
+    assert stats["method"] == "pask-prior"
+    assert header["method"] == "pask-prior"
+    # a structural order: it evicts while it prefills and reads no attention statistics
+    assert stats["graph_stats"] is False
     assert stats["budget"] == pytest.approx(0.33)
 
 

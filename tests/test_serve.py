@@ -29,9 +29,12 @@ import pytest
 from conftest import REPO
 from test_cli_errors import assert_one_line_error
 
+from pask_local.engine.factory import DEFAULT_METHOD
 from pask_local.server.openai_io import APIError, Defaults, parse_chat_request
 from pask_local.server.scheduler import Cancelled, QueueFull, Scheduler
 from pask_local.server.streaming import ReplyStreamer
+
+pytestmark = pytest.mark.slow
 
 MODEL_ID = "qwen2.5-coder-0.5b"
 SLOTS, QUEUE = 2, 3
@@ -191,7 +194,7 @@ def test_required_tool_call(server, client) -> None:
     assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 96
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     ext = r.model_extra["pask"]  # the extension: what the KV method kept
-    assert ext["method"] == "pask" and 0 < ext["kv_entries_held"] < ext["kv_entries_full"]
+    assert ext["method"] == DEFAULT_METHOD and 0 < ext["kv_entries_held"] < ext["kv_entries_full"]
     assert _metric(server, "pask_completion_tokens_total") == before + r.usage.completion_tokens
 
 
@@ -207,7 +210,7 @@ def test_stream_tool_call_deltas(client) -> None:
     assert len([c for c in chunks if c.choices and c.choices[0].delta.tool_calls]) > 2  # streamed in pieces
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0   # the usage chunk comes last
-    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-2].model_extra["pask"]["method"] == "pask"
+    assert chunks[-2].choices[0].finish_reason == "tool_calls" and chunks[-2].model_extra["pask"]["method"] == DEFAULT_METHOD
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -566,6 +569,11 @@ def _serve(*args: str, **kw: Any) -> subprocess.Popen:
     (["--budget", "1.5"], "--budget must be in (0, 1]"),
     (["--method", "magic"], "unknown method 'magic'"),
     (["--slots", "0"], "--slots must be >= 1"),
+    (["--slots", "many"], "--slots must be a count or auto"),
+    (["--body-timeout", "0"], "--body-timeout must be in (0, 3600]"),
+    (["--header-timeout", "-1"], "--header-timeout must be in (0, 3600]"),
+    (["--max-connections", "0"], "--max-connections must be >= 1"),
+    (["--api-key", " "], "--api-key must not be empty"),
     (["--queue", "-1"], "--queue must be >= 0"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--max-context", "-5"], "--max-context must be >= 0"),

@@ -16,6 +16,14 @@ request waits for a free slot in arrival order; one whose ``cancelled`` turns tr
 went away: checked every step, prefill included) or whose token hook asks to stop frees its slot
 at the next step. A failed decode fails the requests in that batch and clears their sequences;
 the pool goes on serving.
+
+The prefix cache is exact by default: a request starts from another request's stream only where
+that equals its own fresh prefill. So the reused prefix must be held whole (never compressed under
+the other request) and the request's method must read a prefix with full attention (Full KV, or a
+method that compresses only after the whole prompt); the reuse ends at a multiple of the chunk, so
+the rest is read in the same chunks as a fresh prefill. ``reuse="any"`` also lets methods that evict
+while they read (pask, streaming, h2o, ...) start from what another request's run kept, and reuses
+the whole common prefix: faster, but the output may then differ from a fresh run.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n
+
+
+REUSE_MODES = ("exact", "any")  # prefix reuse: only where it equals a fresh prefill, or any held prefix
 
 
 class PoolClosed(PaskError):
@@ -118,7 +129,7 @@ class SlotPool:
 
     def __init__(self, model: Model, layout: PoolLayout, chunk: int = EngineConfig.chunk,
                  flash_attn: bool = False, start: bool = True, prefill_tokens: int = 0,
-                 prefix_cache: bool = True, min_reuse: int = 32) -> None:
+                 prefix_cache: bool = True, min_reuse: int = 32, reuse: str = "exact") -> None:
         """``start=False``: requests queue until ``start()`` (all admitted together: reproducible batches).
 
         ``prefill_tokens``: prompt tokens one step may carry (the prefilling requests with the least
@@ -134,6 +145,9 @@ class SlotPool:
         self.prefill_tokens = prefill_tokens
         self.prefix_cache = prefix_cache
         self.min_reuse = max(1, min_reuse)
+        if reuse not in REUSE_MODES:
+            raise PaskError(f"unknown prefix reuse mode {reuse!r} ({', '.join(REUSE_MODES)})")
+        self.reuse = reuse
         self._held_tokens: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
         swa, window = swa_layers(model)
         self._swa = set(swa) if window > 0 else set()  # sliding-window layers
@@ -204,6 +218,13 @@ class SlotPool:
             raise PaskError(f"a pool needs at least one slot, got {slots}")
         return PoolLayout(full=full, capacities=caps, slots=int(slots), slot_len=slot_len,
                           budget=1.0 if full else budget, kv_type=kv_type)
+
+    @staticmethod
+    def slot_kv_bytes(model: Model, method: Method, budget: float, slot_len: int, kv_type: str = "f16",
+                      chunk: int = EngineConfig.chunk) -> int:
+        """K/V bytes one slot of ``method`` at ``budget`` takes (measured on a one-slot context)."""
+        caps = slot_capacities(model, method, budget, slot_len, chunk)
+        return SlotPool._measure(model, method.keeps_all, caps, slot_len, kv_type)
 
     @staticmethod
     def _measure(model: Model, full: bool, caps: list[int], slot_len: int, kv_type: str = "f16") -> int:
@@ -301,7 +322,12 @@ class SlotPool:
             if req.cancelled():
                 req.future.set_exception(RequestCancelled("the request was cancelled before it started"))
                 continue
-            choice = self._pick_slot(req.prepared.plan.prompt.tokens, whole=prefills_whole(req.engine.method))
+            method = req.engine.method
+            exact = method.keeps_all or prefills_whole(method)  # it reads a prefix with full attention
+            if self.reuse == "exact":
+                choice = self._pick_slot(req.prepared.plan.prompt.tokens, whole=True, aligned=True, reuse=exact)
+            else:
+                choice = self._pick_slot(req.prepared.plan.prompt.tokens, whole=prefills_whole(method))
             if choice is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
@@ -359,24 +385,31 @@ class SlotPool:
                 return False
         return True
 
-    def _pick_slot(self, tokens: list[int], whole: bool = False) -> tuple[int, int, bool] | None:
+    def _aligned(self, n: int, aligned: bool) -> int:
+        """``n`` floored to a multiple of the chunk when ``aligned``: the rest is read in a fresh prefill's chunks."""
+        return (n // self.chunk) * self.chunk if aligned else n
+
+    def _pick_slot(self, tokens: list[int], whole: bool = False, aligned: bool = False,
+                   reuse: bool = True) -> tuple[int, int, bool] | None:
         """A free sequence for a prompt, how many of its first tokens it holds, and whether they were
         copied from a running request; None: wait, a running request is still prefilling that prefix.
 
         The prefix comes from the free stream that holds the longest one (a finished request's), or, if
         a running request shares a longer one, from that request's stream: copied whole into the free
         stream, then cut at the shared length (what the running request's method kept of it so far).
-        ``whole`` (a method that compresses after a whole prefill): only a prefix held whole."""
+        ``whole``: only a prefix held whole; ``aligned``: the prefix ends at a multiple of the chunk;
+        ``reuse=False``: none (a fresh stream, the one with the least cached)."""
         want = tokens[:-1]  # the last prompt token is always decoded (its logits)
         best, best_n = -1, 0
-        for seq in self._free:
+        for seq in self._free if reuse else ():
             held = self._held_tokens.get(seq)
             if not held or not self._reusable(len(held)):
                 continue
-            n = common_prefix(held, want)
+            n = self._aligned(common_prefix(held, want), aligned)
             if n > best_n and (not whole or self._holds_whole(seq, n)):
                 best, best_n = seq, n
-        src, src_n = self._running_source(want, whole)
+        src, src_n = self._running_source(want, whole) if reuse else (None, 0)
+        src_n = self._aligned(src_n, aligned)
         copy_from = -1  # the running request's sequence whose stream is copied
         if src is not None and src_n >= self.min_reuse and src_n > best_n:
             # wait until the source decoded the shared prefix, and a step since its admission (a

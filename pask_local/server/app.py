@@ -7,22 +7,30 @@ allocated), then asks the scheduler for a place (429 when the queue is full) and
 ``Engine.execute`` on a slot. Its ``on_token`` hook feeds the stream and returns the job's
 cancellation flag, so a client that disconnects (stream or not) stops the decode loop and frees
 its slot. Errors are OpenAI's error object with the matching status; a bad request is never a 500.
+
+Before any of that, work is bounded: the body must arrive within ``body_timeout`` seconds (408), and
+a body over 1 MiB is parsed, rendered and tokenized with at most ``prepare_workers - 1`` others, at
+most ``queue_size`` more waiting (429 beyond), so a flood of large bodies does not hold up usual ones. A body whose messages hold more text than the context can
+take (the vocabulary's longest token times the context) is refused before it is rendered or
+tokenized. Each client fault is one log line; ``guard`` checks Host, Content-Type and the API key.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -36,6 +44,7 @@ from ..llm import Model
 from ..methods import Method
 from ..policy import Policy
 from ..policy.shipped import resolve_default_policy
+from .guard import Guard, GuardMiddleware
 from .metrics import Metrics
 from .openai_io import (
     APIError,
@@ -59,6 +68,8 @@ from .streaming import SSE_DONE, SSE_KEEPALIVE, ReplyStreamer, sse
 
 KEEPALIVE_S = 5.0        # an SSE comment while a stream waits for its slot
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+GATED_BODY_BYTES = 1 << 20  # bodies larger than this are parsed and prepared ``prepare_workers`` at a time
+log = logging.getLogger("uvicorn.error.pask")
 
 
 @dataclass
@@ -76,6 +87,10 @@ class ServerConfig:
     slot_len: int = 0                 # batch: prompt + max_tokens per slot (0: max_context, else 4096)
     prefill_tokens: int = 128         # batch: prompt tokens one step may carry (0: a chunk per prefilling slot)
     prefix_cache: bool = True         # batch: a new request reuses a free slot's KV of the same prompt prefix
+    reuse_compressed: bool = False    # batch: also reuse prefixes a method compressed under another request
+    body_timeout: float = 30.0        # seconds a request body may take to arrive (408 after)
+    prepare_workers: int = 2          # requests parsed, rendered and tokenized at once
+    guard: Guard = field(default_factory=Guard)
     kv_type: str = EngineConfig.kv_type  # K/V element type of every request (and of the pool)
 
 
@@ -111,9 +126,15 @@ class Server:
         if config.batch:
             layout = self.pool_layout(method)
             self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens,
-                                 prefix_cache=config.prefix_cache)
+                                 prefix_cache=config.prefix_cache,
+                                 reuse="any" if config.reuse_compressed else "exact")
             slots = layout.slots
-        self.scheduler = Scheduler(slots, config.queue_size)
+        self.scheduler = Scheduler(max(1, slots), config.queue_size)
+        self.gate = PrepareGate(config.prepare_workers, config.queue_size)
+        self.context_limit = (self.pool.layout.slot_len if self.pool is not None
+                              else config.max_context or model.n_ctx_train)
+        # a prompt of B bytes is at least B / longest-piece tokens: text past this cannot fit
+        self.max_message_chars = self.context_limit * model.longest_piece()
         self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, slots,
                                config.queue_size, self.pool)
 
@@ -122,20 +143,31 @@ class Server:
         cfg = self.cfg
         slot_len = cfg.slot_len or cfg.max_context or min(DEFAULT_SLOT_LEN, self.model.n_ctx_train)
         slot_len = min(slot_len, self.model.n_ctx_train)
+        kv_mem = cfg.kv_mem or None
+        if not cfg.slots and kv_mem is None:  # auto: the K/V memory one Full KV slot would take
+            kv_mem = SlotPool.slot_kv_bytes(self.model, make_method("full", self.model), 1.0, slot_len, cfg.kv_type)
         return SlotPool.layout_for(self.model, method, cfg.defaults.budget, slot_len,
-                                   slots=None if cfg.kv_mem else cfg.slots, kv_mem=cfg.kv_mem or None,
-                                   kv_type=cfg.kv_type)
+                                   slots=None if kv_mem else cfg.slots, kv_mem=kv_mem, kv_type=cfg.kv_type)
 
     # ------------------------------------------------------------ engine
     def method(self, name: str) -> Method:
-        """A fresh method object per request (methods keep per-run state); PASK's policy resolved once."""
+        """The method ``name``, built once and shared by every request (a request's state lives in its
+        run's plan, ``Method.bind``); the model's default policy resolved once for every name that runs it."""
+        # kept in __dict__ so that only this function knows of the cache; a race builds an equal
+        # object twice, and setdefault keeps one of them
+        cache: dict[str, Method] = self.__dict__.setdefault("_methods", {})
+        method = cache.get(name)
+        if method is not None:
+            return method
         if name in DEFAULT_POLICY_METHODS:
             if self._policy is None:
                 self._policy, warning = resolve_default_policy(self.model)
                 if warning:
                     self.warnings.append(warning)
-            return make_method(name, self.model, self._policy)
-        return make_method(name, self.model)
+            method = make_method(name, self.model, self._policy)
+        else:
+            method = make_method(name, self.model)
+        return cache.setdefault(name, method)
 
     def engine(self, req: ChatRequest) -> Engine:
         try:
@@ -157,17 +189,24 @@ class Server:
             response = await self._chat(request, arrival)
         except APIError as exc:
             self.metrics.request(exc.status)
+            if exc.status < 500:
+                client_fault(request, exc.status, exc.code or exc.type, exc.message)
             return error_response(exc)
+        except ClientDisconnect:
+            self.metrics.request(499)
+            client_fault(request, 499, "client_disconnect", "the connection closed while the body was sent")
+            return Response(status_code=499)
         self.metrics.request(response.status_code)
         return response
 
-    async def _chat(self, request: Request, arrival: float) -> Response:
-        body = parse_json_body(await self._read_body(request))
+    def _prepare(self, raw: bytes) -> tuple[ChatRequest, Engine, Prepared]:
+        """The body parsed, validated, sized, rendered and tokenized (runs on a worker thread)."""
+        body = parse_json_body(raw)
+        self._check_message_size(body)
         req = parse_chat_request(body, self.cfg.model_id, self.cfg.defaults)
         engine = self.engine(req)
         try:
-            prepared = await run_in_threadpool(engine.prepare, req.messages, req.tools, req.tool_choice,
-                                               req.parallel, None, req.sampling)
+            prepared = engine.prepare(req.messages, req.tools, req.tool_choice, req.parallel, None, req.sampling)
         except ContextLengthError as exc:
             raise APIError(400, f"{exc}; shorten the messages or lower max_tokens", param="messages",
                            code="context_length_exceeded") from None
@@ -183,6 +222,23 @@ class Server:
                 self.pool.check(engine, prepared)
             except PaskError as exc:
                 raise bad_request(str(exc), "pask") from None
+        return req, engine, prepared
+
+    def _check_message_size(self, body: Any) -> None:
+        """Refuse, before rendering or tokenizing, messages whose text cannot fit the context."""
+        chars = message_chars(body)
+        if chars > self.max_message_chars:
+            raise APIError(400, f"the messages hold {chars} non-blank characters, more than this server's context "
+                           f"of {self.context_limit} tokens can take ({self.max_message_chars}); shorten the "
+                           f"messages", param="messages", code="context_length_exceeded")
+
+    async def _chat(self, request: Request, arrival: float) -> Response:
+        raw = await self._read_body(request)
+        if len(raw) > GATED_BODY_BYTES:  # large bodies take turns; a usual request is not held behind them
+            async with self.gate.enter():
+                req, engine, prepared = await run_in_threadpool(self._prepare, raw)
+        else:
+            req, engine, prepared = await run_in_threadpool(self._prepare, raw)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -204,13 +260,23 @@ class Server:
         return await self._complete(request, job, req)
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, at most ``max_body_bytes``, arrived within ``body_timeout`` seconds (408 otherwise)."""
         limit = self.cfg.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(413, f"the request body is larger than {limit >> 20} MiB", code="request_too_large")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        deadline = time.monotonic() + self.cfg.body_timeout
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.cfg.body_timeout:g} s",
+                               code="request_timeout", headers={"Connection": "close"}) from None
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"the request body is larger than {limit >> 20} MiB", code="request_too_large")
@@ -374,7 +440,61 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return _AsciiJSON(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+    # a server fault: the traceback goes to the log, not to the client
+    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _AsciiJSON(error_body(f"internal error ({type(exc).__name__}); see the server log", "server_error"),
+                      status_code=500)
+
+
+def client_fault(request: Request, status: int, code: str, message: str) -> None:
+    """One log line per request refused for the client's own fault."""
+    client = request.client.host if request.client else "?"
+    log.warning("client fault from %s: %d %s: %s", client, status, code, message[:200])
+
+
+def message_chars(body: Any) -> int:
+    """Non-blank characters of the messages' text (content strings and text parts): every chat template
+    renders them, so the prompt holds at least this many bytes."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return 0
+    n = 0
+    for m in body["messages"]:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                n += len(text) - sum(text.count(c) for c in " \t\n\r")
+    return n
+
+
+class PrepareGate:
+    """At most ``workers`` requests in preparation at once, ``backlog`` more waiting; beyond: 429."""
+
+    def __init__(self, workers: int, backlog: int) -> None:
+        if workers < 1:
+            raise ValueError("prepare workers must be >= 1")
+        self.workers = workers
+        self.limit = workers + backlog
+        self.inside = 0
+        self._sem: asyncio.Semaphore | None = None
+
+    def enter(self) -> AbstractAsyncContextManager[None]:
+        return self._enter()
+
+    @asynccontextmanager
+    async def _enter(self) -> AsyncIterator[None]:
+        if self.inside >= self.limit:
+            raise APIError(429, f"too many requests are being read ({self.inside}); retry later",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if self._sem is None:  # made inside the serving loop
+            self._sem = asyncio.Semaphore(self.workers)
+        self.inside += 1
+        try:
+            async with self._sem:
+                yield
+        finally:
+            self.inside -= 1
 
 
 def create_app(server: Server) -> Starlette:
@@ -392,5 +512,5 @@ def create_app(server: Server) -> Starlette:
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(GuardMiddleware, guard=server.cfg.guard)],
                      exception_handlers={HTTPException: _http_error, Exception: _internal_error})

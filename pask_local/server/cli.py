@@ -3,6 +3,7 @@
 The options are checked, and the address bound, before the model loads, so a bad flag or a busy
 port is a one-line ``error: ...`` without a traceback. The socket is handed to uvicorn as is;
 SIGINT or SIGTERM shuts down gracefully (running requests are cancelled) with exit status 0.
+Listening beyond loopback without ``--api-key`` is allowed but said loudly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..cli_options import (
     check_device_options,
     check_generation_options,
 )
+from ..engine.factory import DEFAULT_METHOD
 from ..errors import PaskError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -47,17 +49,21 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve_command(
     gguf: Annotated[str | None, typer.Option("--gguf", help="GGUF model: path or hf://owner/repo/file.gguf. "
-                                             "Default: the named model gemma3-270m.", show_default=False)] = None,
+                                             "Default: the strongest installed instruct model (qwen2.5-coder-1.5b, "
+                                             "else -0.5b, else the base gemma3-270m with a notice).",
+                                             show_default=False)] = None,
     model: ModelOption = None,
     method: Annotated[str, typer.Option("--method", help="Default KV persistence method (a request may "
-                                        "override it with \"pask\": {\"method\": ...}). pask, not run's "
-                                        "pask-hybrid: it evicts while it prefills, so a batched slot takes "
-                                        "prompts longer than its budget and reuses a finished request's "
-                                        "prefix.")] = "pask",
+                                        "override it with \"pask\": {\"method\": ...}); the default is run's: "
+                                        "the most accurate method in the method study that evicts while it "
+                                        "reads, so a batched slot takes prompts longer than its budget.")
+                      ] = DEFAULT_METHOD,
     budget: Annotated[float, typer.Option("--budget", help="Default fraction of full-KV entries kept, "
                                           "in (0, 1].")] = 0.33,
-    slots: Annotated[int, typer.Option("--slots", help="Requests run at once (batched: KV streams of one "
-                                       "context; --no-batch: one llama context each).")] = 1,
+    slots: Annotated[str, typer.Option("--slots", help="Requests run at once (batched: KV streams of one "
+                                       "context; --no-batch: one llama context each), or auto: as many "
+                                       "slots of the method and budget as fit in the K/V memory one Full KV "
+                                       "slot would take (--no-batch: 1).")] = "auto",
     kv_mem: Annotated[int, typer.Option("--kv-mem", help="Batched: MiB of K/V memory for the slots; the slot "
                                         "count follows from the method and budget (overrides --slots). 0: use "
                                         "--slots.")] = 0,
@@ -86,6 +92,24 @@ def serve_command(
                                                  "the --model name, or the GGUF file's stem.",
                                                  show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level.")] = "info",
+    allowed_host: Annotated[list[str] | None, typer.Option("--allowed-host", help="A Host header name the server "
+                                                           "answers besides the loopback names and --host (DNS "
+                                                           "rebinding); repeat it for several; * answers any.",
+                                                           show_default=False)] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="PASK_API_KEY", help="Require "
+                                                "'Authorization: Bearer KEY' on every route but /health "
+                                                "(env PASK_API_KEY).", show_default=False)] = None,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", help="Seconds a request body may take to "
+                                                "arrive (then 408).")] = 30.0,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", help="Seconds a connection may take to "
+                                                  "send a request's headers (then it is closed).")] = 10.0,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (503 "
+                                                 "beyond).")] = 64,
+    reuse_compressed: Annotated[bool, typer.Option("--reuse-compressed", help="Batched: a method that evicts "
+                                                   "while it reads may also start from a prefix another request "
+                                                   "compressed (faster; its output may then differ from a fresh "
+                                                   "run). Off: a prefix is reused only where that equals a "
+                                                   "fresh prefill.")] = False,
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     hysteresis: HysteresisOption = 0.02,
@@ -96,12 +120,9 @@ def serve_command(
     Example: pask-local serve --model qwen2.5-coder-0.5b --port 8000
     Then: POST http://127.0.0.1:8000/v1/chat/completions (docs/server.md).
     """
-    from ..model_registry import DEFAULT_MODEL
-
     check_generation_options(method, budget, max_tokens)
     check_device_options(ngl, hysteresis, kv_type)
-    if slots < 1:
-        raise PaskError(f"--slots must be >= 1, got {slots}")
+    n_slots = parse_slots(slots)
     if queue < 0:
         raise PaskError(f"--queue must be >= 0, got {queue}")
     if max_context < 0:
@@ -118,27 +139,43 @@ def serve_command(
         raise PaskError(f"unknown --log-level '{log_level}' ({', '.join(LOG_LEVELS)})")
     if model_id is not None and not model_id.strip():
         raise PaskError("--model-id must not be empty")
+    for name, value in (("--body-timeout", body_timeout), ("--header-timeout", header_timeout)):
+        if not 0 < value <= 3600:
+            raise PaskError(f"{name} must be in (0, 3600] seconds, got {value}")
+    if max_connections < 1:
+        raise PaskError(f"--max-connections must be >= 1, got {max_connections}")
+    if api_key is not None and not api_key.strip():
+        raise PaskError("--api-key must not be empty")
 
     try:
         import uvicorn
 
         from .app import Server, ServerConfig, create_app
+        from .guard import LOOPBACK_HOSTS, Guard, host_name, is_wildcard
+        from .transport import uvicorn_config
     except ImportError as exc:
         raise PaskError(f"pask-local serve needs the 'serve' extra (starlette, uvicorn, prometheus-client): "
                         f"pip install 'pask-local[serve]' ({exc})") from None
     from ..llm import Model
-    from ..models import resolve_model
+    from ..models import default_model_name, resolve_model
     from .openai_io import Defaults
 
+    if not gguf and model is None:
+        model = default_model_name()
     path = resolve_model(gguf, model)
-    name = model_id or model or (path.stem if gguf else DEFAULT_MODEL)
+    name = model_id or model or path.stem
+    guard = Guard.for_server(host, allowed_host or (), api_key)
+    if api_key is None and (is_wildcard(host) or host_name(host) not in LOOPBACK_HOSTS):
+        print(f"warning: listening on {host} without --api-key: anyone who can reach this address can run "
+              f"requests", file=sys.stderr)
     sock = _listen(host, port)
     loaded = Model(path, n_gpu_layers=ngl)
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
-                                         slots=slots, queue_size=queue, max_context=max_context,
+                                         slots=n_slots, queue_size=queue, max_context=max_context,
                                          flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
                                          kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens,
-                                         prefix_cache=prefix_cache, kv_type=kv_type))
+                                         prefix_cache=prefix_cache, kv_type=kv_type, guard=guard,
+                                         reuse_compressed=reuse_compressed, body_timeout=body_timeout))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
@@ -147,10 +184,11 @@ def serve_command(
         mode = (f"batched: {lay.slots} slot(s) of {lay.slot_len} tokens, K/V {server.pool.kv_bytes / (1 << 20):.1f} "
                 f"MiB ({server.pool.slot_bytes / (1 << 20):.1f} per slot)")
     else:
-        mode = f"{slots} slot(s), a context per request"
+        mode = f"{server.scheduler.slots} slot(s), a context per request"
     print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {mode}, "
           f"queue {queue}) on http://{host}:{bound[1]}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn_config(create_app(server), log_level=log_level, header_timeout=header_timeout,
+                            max_connections=max_connections)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: end with exit 0
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -161,6 +199,19 @@ def serve_command(
         server.close()
         sock.close()
     print("pask-local serve: stopped", file=sys.stderr)
+
+
+def parse_slots(text: str) -> int:
+    """``--slots``: a count >= 1, or auto (0: sized from the K/V memory by the server)."""
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        raise PaskError(f"--slots must be a count or auto, got {text!r}") from None
+    if n < 1:
+        raise PaskError(f"--slots must be >= 1, got {n}")
+    return n
 
 
 def _interrupt(signum: int, frame: object) -> None:

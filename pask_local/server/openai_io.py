@@ -23,7 +23,7 @@ from typing import Any
 from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice
 from ..errors import PaskError
 from ..grammar.sampling import GREEDY, MAX_TEMPERATURE, Sampling
-from ..methods import METHOD_NAMES
+from ..methods.registry import DEFAULT_METHOD, METHOD_NAMES  # the one list of method names
 from ..schema.tools import ToolSpec, load_tools
 
 # accepted and ignored: decoding is greedy and there is no per-user state
@@ -68,7 +68,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class Defaults:
     """What a request gets when it does not say: the server's command-line settings."""
 
-    method: str = "pask"
+    method: str = DEFAULT_METHOD
     budget: float = 0.33
     max_tokens: int = 256
 
@@ -101,6 +101,8 @@ def parse_json_body(raw: bytes) -> Any:
                           f"column {exc.colno})") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply to parse") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts (sys.int_info)
+        raise bad_request(f"the request body holds a value that cannot be read: {str(exc)[:120]}") from None
 
 
 def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
