@@ -138,12 +138,14 @@ def _register_optional_commands() -> None:
     """Subcommands owned by other modules, mounted here so the CLI stays one place to look."""
     from .calibration.cli import calibrate_command
     from .eval.cli import eval_command
+    from .eval.multiturn_cli import multiturn_command
     from .run_cli import run_command
     from .server.cli import serve_command
     from .tui.cli import tui_command
 
     app.command("run")(run_command)
     app.command("eval")(eval_command)
+    app.command("eval-multiturn")(multiturn_command)
     app.command("calibrate")(calibrate_command)
     app.command("tui")(tui_command)
     app.command("serve")(serve_command)

@@ -19,7 +19,6 @@ import argparse
 import http.client
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from loopback import free_port, proc_memory  # (scripts/ is on sys.path when run as a script)
 
 EXE = str(Path(sys.executable).with_name("pask-local"))
 KEY = "hostile-probe-key"
@@ -44,19 +45,6 @@ class Row:
     ok: bool
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def rss(pid: int) -> int:
-    m = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), flags=re.M)
-    return int(m.group(1)) * 1024 if m else 0
 
 
 class Target:
@@ -155,7 +143,7 @@ def probe_flood(t: Target, clients: int, mib: int) -> list[Row]:
         return s if status == 200 else float("nan")
 
     before = normal()
-    rss0 = rss(t.proc.pid)
+    rss0 = proc_memory(t.proc.pid)
     results: list[tuple[int, str, bool, float]] = []
     peak = [rss0]
     lock = threading.Lock()
@@ -174,7 +162,7 @@ def probe_flood(t: Target, clients: int, mib: int) -> list[Row]:
 
     def watch(stop: threading.Event) -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], rss(t.proc.pid))
+            peak[0] = max(peak[0], proc_memory(t.proc.pid))
             time.sleep(0.05)
 
     stop = threading.Event()
