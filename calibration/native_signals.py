@@ -166,7 +166,7 @@ GROUP_LEVELS = (0.05, 0.1, 0.2, 0.35, 0.5)
 def group_keep_positions(model: Model, case: TFCase, groups: Sequence[Sequence[int]], share: float) -> list[np.ndarray]:
     """Per group: the prompt positions the hand-written prior keeps in that group's layers when each
     layer may hold ``share`` of the prompt (its class quotas, span-head order, sinks and the held
-    tail: ``methods.pask.PASK.select`` on the whole prompt, as a structural plan decides before prefill)."""
+    tail: ``methods.pask.PASKPlan.select`` on the whole prompt, as a structural plan decides before prefill)."""
     from pask_local.methods import LayerView
     from pask_local.methods.pask import PASK, class_indices
     from pask_local.policy.handwritten import handwritten_policy
@@ -174,13 +174,13 @@ def group_keep_positions(model: Model, case: TFCase, groups: Sequence[Sequence[i
     n = case.n_prompt
     cls = class_indices(case.classes[:n])
     method = PASK(handwritten_policy(model.n_layer, len(groups)))
-    method.capacities(share, cls, model.n_layer)  # compiles the class quotas select reads
+    plan = method.bind(share, cls, model.n_layer)  # compiles the class quotas select reads
     out = []
     for layers in groups:
         il = layers[0]
         view = LayerView(layer=il, n_layer=model.n_layer, positions=np.arange(n), classes=cls, prompt_len=n,
                          all_classes=cls)
-        out.append(np.asarray(method.select(view, max(1, math.ceil(share * n))), dtype=np.int64))
+        out.append(np.asarray(plan.select(view, max(1, math.ceil(share * n))), dtype=np.int64))
     return out
 
 

@@ -93,9 +93,9 @@ def _pask_policy(n_layer=4):
 
 def test_pask_keeps_protected_classes_and_oldest_go_first():
     classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 60 + [class_index(C.QUERY)] * 19)
-    method = PASK(_pask_policy(), recent=0)
-    caps = method.capacities(0.5, classes, 4)  # the floors fit (at 0.4 group 1's description floor gives way)
-    assert method.budget_warnings() == []
+    method = PASK(_pask_policy(), recent=0).bind(0.5, classes, 4)  # the request's plan
+    caps = list(method.capacities)  # the floors fit (at 0.4 group 1's description floor gives way)
+    assert list(method.warnings) == []
     assert caps[0] == caps[1] and caps[2] == caps[3]
     kept0 = method.select(view(80, classes=classes, layer=0), caps[0])
     assert {0, *range(61, 80)} <= set(kept0.tolist())  # sink + whole query
@@ -113,8 +113,8 @@ def test_pask_span_head_keeps_the_start_of_every_span():
     pol = _pask_policy()
     pol.floors = [{**f, C.TOOL_NAME: 1.0} for f in pol.floors]
     pol.within_class_order = "span-head"
-    method = PASK(pol, recent=0)
-    caps = method.capacities(0.5, classes, 4)
+    method = PASK(pol, recent=0).bind(0.5, classes, 4)
+    caps = list(method.capacities)
     kept = set(method.select(view(len(classes), classes=classes, layer=0), caps[0]).tolist())
     starts = [2, 23, 44]  # first description token of each tool
     n_desc = len(kept & {i for i in range(len(classes)) if classes[i] == D})
@@ -125,7 +125,7 @@ def test_pask_span_head_keeps_the_start_of_every_span():
         assert set(range(s, s + k)) <= kept  # each span keeps its head
     oldest = PASK(_pask_policy(), recent=0)  # the default order drops the oldest span first
     oldest.policy.floors = pol.floors
-    oldest.capacities(0.5, classes, 4)
+    oldest = oldest.bind(0.5, classes, 4)
     kept_old = set(oldest.select(view(len(classes), classes=classes, layer=0), caps[0]).tolist())
     assert len(kept_old & set(range(2, 22))) < len(kept & set(range(2, 22)))
 
@@ -144,14 +144,15 @@ def test_pask_attention_order_keeps_class_shares_and_ranks_by_score():
     pol.within_class_order = "attention"
     method = PASK(pol, recent=0)
     assert method.needs_attention and method.compress_after_prefill
-    caps = method.capacities(0.5, classes, 4)
-    kept = set(method.select(view(n, scores=scores, classes=classes, layer=0), caps[0]).tolist())
+    plan = method.bind(0.5, classes, 4)
+    caps = list(plan.capacities)
+    kept = set(plan.select(view(n, scores=scores, classes=classes, layer=0), caps[0]).tolist())
     head = PASK(_pask_policy(), recent=0)
     head.policy.floors = pol.floors
     head.policy.within_class_order = "span-head"
     assert not head.needs_attention
-    head.capacities(0.5, classes, 4)
-    kept_head = set(head.select(view(n, classes=classes, layer=0), caps[0]).tolist())
+    head_plan = head.bind(0.5, classes, 4)
+    kept_head = set(head_plan.select(view(n, classes=classes, layer=0), caps[0]).tolist())
     for c in (D, T, Q):  # the same number of tokens of every class
         members = {i for i in range(n) if classes[i] == c}
         assert len(kept & members) == len(kept_head & members)
@@ -160,7 +161,7 @@ def test_pask_attention_order_keeps_class_shares_and_ranks_by_score():
     assert kept & desc and (kept & desc) <= near_hot
     assert not (kept_head & desc) <= near_hot
     with pytest.raises(RuntimeError, match="needs attention scores"):
-        method.select(view(n, classes=classes, layer=0), caps[0])
+        plan.select(view(n, classes=classes, layer=0), caps[0])
 
 
 def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_across_classes():
@@ -177,8 +178,9 @@ def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_acro
     scores[hot] = 5.0
     method = PASK(hybrid_policy(4), recent=0)
     assert method.needs_attention and method.compress_after_prefill
-    cap = method.capacities(0.3, classes, 4)[0]
-    kept = set(method.select(view(n, scores=scores, classes=classes, layer=0), cap).tolist())
+    plan = method.bind(0.3, classes, 4)
+    cap = plan.capacities[0]
+    kept = set(plan.select(view(n, scores=scores, classes=classes, layer=0), cap).tolist())
     assert len(kept) == cap
     floored = {i for i in range(n) if classes[i] in (S, T, Q)}
     assert floored <= kept
@@ -187,8 +189,8 @@ def test_pask_hybrid_keeps_the_floors_whole_and_fills_the_rest_by_attention_acro
     assert rest and rest <= near_hot
     assert not kept & {i for i in range(n) if classes[i] == X}  # the cold examples get nothing
     # the same floors as quotas with weights (pask-attn's allocation) give the examples a share
-    quota = PASK(dataclasses.replace(hybrid_policy(4), residual="weights"), recent=0)
-    quota_cap = quota.capacities(0.3, classes, 4)[0]
+    quota = PASK(dataclasses.replace(hybrid_policy(4), residual="weights"), recent=0).bind(0.3, classes, 4)
+    quota_cap = quota.capacities[0]
     kept_quota = set(quota.select(view(n, scores=scores, classes=classes, layer=0), quota_cap).tolist())
     assert kept_quota & {i for i in range(n) if classes[i] == X}
     with pytest.raises(PolicyError, match="within_class_order"):
@@ -208,8 +210,8 @@ def test_protected_window_larger_than_capacity_keeps_newest():
 
 def test_pask_always_keeps_the_recent_window():
     classes = np.array([class_index(C.SINK)] + [class_index(C.DESCRIPTION)] * 79)
-    method = PASK(_pask_policy(), recent=8)
-    caps = method.capacities(0.4, classes, 4)
+    method = PASK(_pask_policy(), recent=8).bind(0.4, classes, 4)
+    caps = method.capacities
     kept = method.select(view(80, classes=classes, layer=0), caps[0])
     assert set(range(72, 80)) <= set(kept.tolist()) and 0 in kept and len(kept) == caps[0]
 
@@ -225,8 +227,8 @@ def test_pask_holds_the_prompt_tail_while_the_call_is_written():
     for hold in (True, False):
         # newest-first: within its class the newest goes first, so only a held tail survives
         method = PASK(dataclasses.replace(_pask_policy(), within_class_order="newest-first"), recent=8,
-                      hold_tail=hold)
-        caps = method.capacities(0.5, classes[:80], 4)
+                      hold_tail=hold).bind(0.5, classes[:80], 4)
+        caps = method.capacities
         assert method.tail_from(80) == (74 if hold else -1)
         kept[hold] = set(method.select(view(100, classes=classes, layer=2, prompt_len=80), caps[2]).tolist())
         assert set(range(80, 100)) <= kept[hold] and len(kept[hold]) == caps[2]

@@ -24,7 +24,7 @@ from pask_local.errors import NativeError
 from pask_local.llm import ContextConfig, Model
 from pask_local.methods import H2O, PASK, TOVA, LayerView, PyramidKV, SnapKV, StreamingLLM
 from pask_local.methods.base import StepRule
-from pask_local.methods.pask import relevance_priority
+from pask_local.methods.pask import PASKPlan, relevance_priority
 from pask_local.native_step import LayerRule, NativeStep, select
 from pask_local.policy.handwritten import handwritten_policy, hybrid_policy
 from pask_local.schema.tools import read_tools
@@ -34,11 +34,10 @@ ORDERS = ["oldest-first", "newest-first", "span-head", "attention"]
 
 
 def pask_method(order: str, budget: float, all_classes: np.ndarray, n_layer: int = 4, recent: int = 32,
-                hold_tail: bool = True) -> PASK:
+                hold_tail: bool = True) -> PASKPlan:
+    """PASK with ``order``, bound to a prompt of ``all_classes`` (the plan selects)."""
     pol = dataclasses.replace(handwritten_policy(n_layer), within_class_order=order)
-    m = PASK(pol, recent=recent, hold_tail=hold_tail)
-    m.capacities(budget, all_classes, n_layer)
-    return m
+    return PASK(pol, recent=recent, hold_tail=hold_tail).bind(budget, all_classes, n_layer)
 
 
 @st.composite
@@ -102,12 +101,12 @@ def test_native_select_equals_python_pask_tool_relevance(v, budget, recent, hold
     all_classes, pos, _, capacity, prompt_len, layer = v
     method = pask_method("tool-relevance", budget, all_classes, recent=recent, hold_tail=hold_tail)
     relevance = np.random.default_rng(seed).choice([0.0, 0.25, 0.5, 1.0], size=prompt_len)
-    method._priority = relevance_priority(relevance, all_classes[:prompt_len])  # as observe_prompt sets it
+    method = dataclasses.replace(method, priority=relevance_priority(relevance, all_classes[:prompt_len]))  # as bind sets it
     view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], prompt_len=prompt_len,
                      all_classes=all_classes)
     ref = np.sort(method.select(view, capacity))
     rule = method.step_rule(layer, 4, prompt_len)
-    prio = method._priority[np.minimum(pos, max(0, prompt_len - 1))] if prompt_len else np.zeros(len(pos))
+    prio = method.priority[np.minimum(pos, max(0, prompt_len - 1))] if prompt_len else np.zeros(len(pos))
     nat = select(rule, pos, view.classes, prio, all_classes, prompt_len, capacity)
     assert nat.tolist() == ref.tolist()
 
@@ -120,8 +119,7 @@ def test_native_select_equals_python_pask_hybrid(v, budget, recent, floored):
     all_classes, pos, scores, capacity, prompt_len, layer = v
     pol = hybrid_policy(4)
     pol.floors = [{c: (1.0 if c in floored else 0.0) for c in StructuralClass} for _ in pol.groups]
-    method = PASK(pol, recent=recent)
-    method.capacities(budget, all_classes, 4)
+    method = PASK(pol, recent=recent).bind(budget, all_classes, 4)
     view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], scores=scores,
                      prompt_len=prompt_len, all_classes=all_classes)
     ref, nat = both(method, view, capacity)

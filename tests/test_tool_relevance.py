@@ -118,13 +118,14 @@ def test_words_split_names_and_drop_filler():
     assert words("calculate_triangleArea of the Triangles, 42") == {"calcul", "triang", "area"}
 
 
-def detail_kept(method, cls, budget_cap: int) -> list[int]:
-    """Per tool: how many of its description, parameter-name and type tokens layer 0 keeps."""
+def detail_kept(plan, cls, budget_cap: int) -> list[int]:
+    """Per tool: how many of its description, parameter-name and type tokens layer 0 keeps (``plan``:
+    a PASK method bound to the prompt)."""
     pos = np.arange(len(cls))
-    view = LayerView(layer=0, n_layer=method.policy.n_layer, positions=pos, classes=cls, prompt_len=len(cls),
+    view = LayerView(layer=0, n_layer=plan.method.policy.n_layer, positions=pos, classes=cls, prompt_len=len(cls),
                      all_classes=cls)
     kept = np.zeros(len(cls), dtype=bool)
-    kept[method.select(view, budget_cap)] = True
+    kept[plan.select(view, budget_cap)] = True
     seg = tool_segments(cls)
     detail = np.isin(cls, _DETAIL)
     return [int(kept[(seg == t) & detail].sum()) for t in range(seg.max() + 1)]
@@ -134,10 +135,8 @@ def test_pask_tools_keeps_the_named_tool_before_the_others(qwen):
     _, pieces, cls = tagged(qwen, TRIANGLE)
     fractions = {}
     for name in ("pask-tools", "pask-prior"):
-        m = make_method(name, qwen)
-        m.observe_prompt(pieces, cls)
-        caps = m.capacities(0.3, cls, qwen.n_layer)
-        fractions[name] = detail_kept(m, cls, caps[0])
+        plan = make_method(name, qwen).bind(0.3, cls, qwen.n_layer, pieces)
+        fractions[name] = detail_kept(plan, cls, plan.capacities[0])
     tools, prior = fractions["pask-tools"], fractions["pask-prior"]
     assert tools[1] > tools[0] and tools[1] > tools[2]  # the triangle tool's details persist first
     assert tools[1] > prior[1]  # where the prior spreads the same room over every tool

@@ -4,12 +4,12 @@
 It plans the request (``chat.protocol``: the model's own tool-call protocol or the instruction
 prompt, tagged; the grammar for ``tool_choice``), sizes every layer's KV capacity with the method
 (PASK: the compiled policy; baselines: their own rule), creates a layered-cache context, and
-- methods that plan the prompt (``plans_prompt``: PASK with a structural order): decide per layer
+- methods that plan the prompt (``PrefillMode.PLANNED``: PASK with a structural order): decide per layer
   which prompt tokens persist *before* prefill, prefill in chunks and evict the others between
   chunks, so no layer ever holds more than its capacity plus one chunk;
-- incremental baselines (StreamingLLM, H2O, TOVA): prefill in chunks, compressing a layer when it
+- incremental baselines (``EVICT_WHILE_READING``: StreamingLLM, H2O, TOVA): prefill in chunks, compressing a layer when it
   goes over its capacity, with attention statistics from the native probe where needed;
-- ``compress_after_prefill`` (SnapKV, PyramidKV, pask-attn): prefill the whole prompt (their peak
+- ``WHOLE_THEN_COMPRESS`` (SnapKV, PyramidKV, pask-attn, pask-hybrid): prefill the whole prompt (their peak
   is full KV: reported as such), score it with the observation window, compress once;
 then decodes (``chat.decoder``: the fast grammar sampler, a lazy grammar for ``auto``, or free
 text), tags each new token, and evicts by the method's rule
@@ -20,7 +20,8 @@ native call per generated token, evicting a layer in one batch down to its targe
 ``hysteresis`` x its prompt capacity. ``EngineConfig.native_step=False`` runs the Python reference (``Method.select``).
 Every count reported (held entries, bytes) is read from the native cache, not from Python. The
 engine reads what a method needs from its declared attributes (``methods.base.Method``), never
-from its name.
+from its name, and runs each request on the method's frozen ``MethodPlan`` (``Method.bind``), so
+one method object serves concurrent requests.
 
 ``Engine.prepare`` does the planning and sizing (every input error is raised there, before any KV
 is allocated; a prompt that does not fit is a ``ContextLengthError``), ``Engine.execute`` runs a
@@ -55,7 +56,7 @@ from ..errors import ContextLengthError, NativeError, PaskError
 from ..grammar.sampling import GREEDY, Sampling
 from ..kv_layered import kv_total_bytes
 from ..llm import Context, ContextConfig, Model
-from ..methods import LayerView, Method
+from ..methods import LayerView, Method, PrefillMode
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
 from ..native_step import LayerRule, NativeStep
@@ -161,7 +162,8 @@ class Engine:
         if not 0.0 <= self.cfg.hysteresis <= 0.5:
             raise PaskError(f"hysteresis must be in [0, 0.5], got {self.cfg.hysteresis}")
         kv_type_id(self.cfg.kv_type)
-        if self.cfg.kv_type != "f16" and not self.cfg.graph_stats and method.needs_attention and not method.keeps_all:
+        if self.cfg.kv_type != "f16" and not self.cfg.graph_stats and method.needs_attention and \
+                method.prefill_mode != PrefillMode.NONE:
             raise PaskError(f"a {self.cfg.kv_type} KV cache needs flash attention, and the eval-callback probe "
                             f"reads attention scores without it: use graph statistics or --kv-type f16")
         self.swa, self.window = swa_layers(model)
@@ -246,7 +248,7 @@ class Engine:
 def prefills_whole(method: Method) -> bool:
     """Whether ``method`` holds the whole prompt before it compresses it (SnapKV-like): in a pool slot
     the prompt must fit the slot's cells, and the window statistic comes from the pool's probe."""
-    return method.compress_after_prefill and not method.keeps_all
+    return method.prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
 
 
 def round_up(n: int, align: int = EngineConfig.cell_align) -> int:
@@ -269,11 +271,13 @@ class _Run:
         self.n_layer = self.model.n_layer
         self.n_prompt = len(prompt.tokens)
         classes = class_indices(prompt.classes)
-        if self.method.reads_prompt_text:
-            self.method.observe_prompt([self.model.piece(t).decode("utf-8", "replace") for t in prompt.tokens],
-                                       classes)
+        pieces = ([self.model.piece(t).decode("utf-8", "replace") for t in prompt.tokens]
+                  if self.method.reads_prompt_text else None)
         self.all_classes = [int(c) for c in classes]
-        self.caps = self.method.capacities(self.cfg.budget, np.asarray(self.all_classes), self.n_layer)
+        # this request's rules (capacities, quotas, priorities): the method object itself is shared
+        self.mplan = self.method.bind(self.cfg.budget, np.asarray(self.all_classes), self.n_layer, pieces)
+        self.mode = self.method.prefill_mode
+        self.caps = list(self.mplan.capacities)
         if self.method.scales_swa_capacity:
             # a sliding-window layer's full KV is min(N, W): its share of the budget scales with it
             self.caps = [max(1, math.ceil(c * self.full_size(il, self.n_prompt) / self.n_prompt))
@@ -281,7 +285,7 @@ class _Run:
         self.slot = slot
         self.seq_id = slot.seq_id if slot is not None else 0
         max_len = self.n_prompt + self.cfg.max_tokens
-        if slot is not None and not self.method.keeps_all:
+        if slot is not None and self.mode != PrefillMode.NONE:
             # a pool slot's layers have fixed cells: a layer's prompt capacity is cut so that its
             # target after max_tokens plus one chunk in flight fits them
             room = [max(1, (c - self.cfg.chunk - 1) * self.n_prompt // max_len) for c in slot.capacities]
@@ -290,10 +294,11 @@ class _Run:
         else:
             self.clamped = 0
         self.ratio = [c / self.n_prompt for c in self.caps]
-        self.full = self.method.keeps_all
+        self.full = self.mode == PrefillMode.NONE
+        self.whole = self.mode == PrefillMode.WHOLE_THEN_COMPRESS  # prefilled whole, compressed once
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
-        self.scores_each_decode = self.needs_attn and not self.method.compress_after_prefill
+        self.scores_each_decode = self.needs_attn and not self.whole
         if slot is not None and slot.probe is None and (self.needs_attn or prefills_whole(self.method)):
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it needs a slot with an attention probe")
@@ -318,7 +323,7 @@ class _Run:
             self.phys = [n_ctx] * self.n_layer
             self.needed = self.phys
         else:
-            if self.method.compress_after_prefill:
+            if self.whole:
                 phys = [max_len] * self.n_layer
             else:
                 phys = [min(max_len, self.target(il, self.cfg.max_tokens) + self.cfg.chunk)
@@ -344,14 +349,14 @@ class _Run:
 
     def _native_step(self, max_len: int) -> NativeStep:
         code = "score" if self.needs_attn else "policy"
-        rules = [LayerRule(self.method.step_rule(il, self.n_layer, self.n_prompt), cap=self.caps[il],
+        rules = [LayerRule(self.mplan.step_rule(il, self.n_layer, self.n_prompt), cap=self.caps[il],
                            ratio=self.ratio[il], rule_code=code,
                            swa_window=self.e.window if il in self.e.swa and self.e.window > 0 else 0,
                            hysteresis=int(self.cfg.hysteresis * self.caps[il]))
                  for il in range(self.n_layer)]
         stat = self._incremental_stat() if self.scores_each_decode else -1
         step = NativeStep(self.ctx, rules, self.all_classes, max_len, self.n_prompt, self.probe, stat, self.seq_id)
-        priority = self.method.step_priority()
+        priority = self.mplan.priority
         if priority is not None:
             step.set_priority(priority)
         step.set_trace(self.trace.enabled)
@@ -398,7 +403,7 @@ class _Run:
         scores = self.scores[il][pos] if self.scores is not None else None
         view = LayerView(layer=il, n_layer=self.n_layer, positions=pos, classes=cls, scores=scores,
                          prompt_len=self.n_prompt, all_classes=np.asarray(self.all_classes, dtype=np.int64))
-        keep = self.method.select(view, capacity)
+        keep = self.mplan.select(view, capacity)
         drop = np.setdiff1d(pos, keep)
         if len(drop):
             self.ctx.evict(il, drop.tolist(), self.seq_id)
@@ -457,7 +462,7 @@ class _Run:
         n = self.n_prompt
         start = self.slot.reuse if self.slot is not None else 0
         bounds = list(range(start, n, self.cfg.chunk)) + [n]
-        if self.method.compress_after_prefill and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
+        if self.whole and n - bounds[-2] < self.cfg.probe_window and len(bounds) > 2:
             # the observation window must lie in the last decoded chunk
             bounds[-2] = max(0, n - self.cfg.probe_window)
             bounds = sorted(set(bounds))
@@ -504,13 +509,13 @@ class _Run:
             arrived = np.arange(a, b)
             for il in range(self.n_layer):
                 self._evict_unplanned(il, arrived)
-        elif not self.method.compress_after_prefill:
+        elif not self.whole:
             for il in range(self.n_layer):
                 self.evict_to(il, self.caps[il], -1, "score" if self.needs_attn else "window")
 
     def end_prefill(self) -> None:
         """The whole prompt is in: compress once (compress-after-prefill methods), start decoding."""
-        compressed = self.method.compress_after_prefill and not self.full
+        compressed = self.whole
         if compressed:
             self.peak_prefill = self.held_counts()
             if self.needs_attn:
@@ -530,7 +535,7 @@ class _Run:
 
     def _probe_stats(self) -> tuple[int, ...]:
         """The statistic the method reads: the prompt's window (compressing once) or its per-decode one."""
-        return (WINDOW,) if self.method.compress_after_prefill else (self._incremental_stat(),)
+        return (WINDOW,) if self.whole else (self._incremental_stat(),)
 
     def _incremental_stat(self) -> int:
         return LAST if self.method.attention_stat == "last" else SUM
@@ -552,7 +557,7 @@ class _Run:
                 continue
             view = LayerView(layer=il, n_layer=self.n_layer, positions=positions, classes=cls,
                              prompt_len=self.n_prompt, all_classes=cls)
-            keep = self.method.select(view, self.caps[il])
+            keep = self.mplan.select(view, self.caps[il])
             mask = np.zeros(self.n_prompt, dtype=bool)
             mask[keep] = True
             plan.append(mask)
@@ -567,7 +572,7 @@ class _Run:
         self._trace_header(plan.grammar, request)
         self.n_seq = 0
         self.peak_prefill: list[int] | None = None
-        self.planned = self._prompt_plan() if self.method.plans_prompt and not self.full else None
+        self.planned = self._prompt_plan() if self.mode == PrefillMode.PLANNED else None
         if self.slot is not None and self.slot.reuse:
             self._adopt_prefix(self.slot.reuse)
         self.out: list[int] = []
@@ -731,7 +736,7 @@ class _Run:
             "prefill_ms": (t1 - t0) * 1e3, "gen_ms": (t2 - t1) * 1e3,
             "ms_per_token": (t2 - t1) * 1e3 / max(1, n_gen),
             "sampler": {"fast": sampler.stats.fast, "block": sampler.stats.block, "full": sampler.stats.full},
-            "warnings": self.method.budget_warnings(),  # e.g. PASK's floors alone above the budget
+            "warnings": list(self.mplan.warnings),  # e.g. PASK's floors alone above the budget
         }
 
     def _trace_header(self, grammar, request: str) -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 from ..attention import WINDOW, AttentionProbe, probed_layered_context
 from ..errors import NativeError, PaskError
 from ..llm import ContextConfig
-from ..methods import Method
+from ..methods import Method, PrefillMode
 from .core import Engine, EngineResult, Prepared, SlotSpec, round_up
 
 
 def shares_prefill(method: Method) -> bool:
     """Whether ``method`` prefills the whole prompt unchanged (Full KV, compress-after-prefill methods)."""
-    return method.keeps_all or method.compress_after_prefill
+    return method.prefill_mode in (PrefillMode.NONE, PrefillMode.WHOLE_THEN_COMPRESS)
 
 
 def run_shared(engines: list[Engine], prepared: list[Prepared], traces: list | None = None) -> list[EngineResult]:
@@ -63,7 +63,7 @@ def run_shared(engines: list[Engine], prepared: list[Prepared], traces: list | N
         for k, (e, p) in enumerate(zip(engines, prepared, strict=True)):
             spec = SlotSpec(ctx, k, [cells] * model.n_layer, kv_bytes, probe=probe)
             runs.append(e.start_in_slot(p, spec, trace=traces[k] if traces else None))
-        lead = next((r for r in runs if r.method.compress_after_prefill), runs[0])
+        lead = next((r for r in runs if r.whole), runs[0])
         bounds = lead.prefill_bounds()  # a compressing method's cut: the window lies in the last chunk
         for a, b in bounds:
             if probe is not None:

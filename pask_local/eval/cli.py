@@ -126,7 +126,7 @@ def eval_command(
     if catalog_group < 1:
         raise PaskError(f"--catalog-group must be at least 1, got {catalog_group}")
     if policy is not None:
-        from ..engine.factory import POLICY_METHODS
+        from ..methods.registry import POLICY_METHODS
         from ..policy.schema import Policy
 
         Policy.load(policy)  # a one-line error for a missing file or one that is not a policy

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import PaskError
+from ..methods.registry import METHOD_NAMES
 from .data import Case
 from .prompting import ENGINE_STYLES, Task, checker_text, make_task, task_plan
 
-KNOWN_METHODS: tuple[str, ...] = ("full", "streaming", "h2o", "snapkv", "pyramidkv", "tova", "pask", "pask-prior",
-                                   "pask-attn", "pask-hybrid", "pask-tools")
+KNOWN_METHODS: tuple[str, ...] = METHOD_NAMES  # the registry's (methods.registry)
 
 
 @dataclass
@@ -72,7 +72,7 @@ class GeneratorSpec:
     def method(self, name: str, model: Any) -> Any:
         """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""
         from ..engine import make_method
-        from ..engine.factory import POLICY_METHODS
+        from ..methods.registry import POLICY_METHODS
 
         return make_method(name, model, self.policy if name in POLICY_METHODS else None)
 

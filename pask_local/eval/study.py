@@ -17,9 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine.factory import PASK_VARIANTS
 from ..errors import PaskError
-from ..methods import BASELINES
+from ..methods.registry import BASELINES, PASK_VARIANTS
 from .data import CATEGORIES
 from .fidelity import pool
 from .paired import pair, sign_test

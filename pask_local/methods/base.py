@@ -3,18 +3,27 @@
 The engine owns the cache and the bookkeeping; a method only answers two questions for one layer:
 which of the held positions to keep when the layer must shrink to ``capacity`` (``select``), and
 what each layer's capacity is for a given budget (``capacities``). Positions are token positions;
-``LayerView`` carries everything a rule may look at. What a method needs from the engine it declares
-in class attributes (``keeps_all``, ``needs_attention``, ``attention_stat``, ``compress_after_prefill``,
-``plans_prompt``, ``scales_swa_capacity``, ``reads_prompt_text``), so the engine never branches on a
-method's name.
+``LayerView`` carries everything a rule may look at.
+
+A method object holds configuration only and may serve many requests at once: ``bind`` returns the
+one request's ``MethodPlan`` (a frozen dataclass: capacities, warnings, priorities and, for PASK, the
+compiled class quotas), and the engine selects through the plan, never through state on the method.
+
+What a method needs from the engine it declares in class attributes, so the engine never branches
+on a method's name: ``prefill_mode`` (how the prompt is read: ``PrefillMode``) and four independent
+ones, ``needs_attention``, ``attention_stat``, ``scales_swa_capacity`` and ``reads_prompt_text``.
+``keeps_all``, ``compress_after_prefill`` and ``plans_prompt`` are read-only views of ``prefill_mode``
+(kept for readers such as the slot pool). A baseline's ``name`` is set by the registry.
 ``step_rule`` describes the same selection as data (``StepRule``) for the native persistence step
 (patch 0006), which runs it once per generated token without Python; ``select`` stays the reference.
+Every method and PASK variant is registered once in ``methods.registry``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
@@ -55,17 +64,69 @@ class StepRule:
     rank: tuple[int, ...] = field(default=())     # per class index
 
 
+class PrefillMode(StrEnum):
+    """How a method reads the prompt (what the engine's prefill does for it)."""
+
+    NONE = "none"                                  # nothing is ever evicted (Full KV: the upstream cache)
+    EVICT_WHILE_READING = "evict_while_reading"    # after each chunk, each layer shrinks to its capacity
+    PLANNED = "planned"                            # the kept prompt positions are decided before prefill
+                                                   # (select on the whole prompt, no scores); the rest is
+                                                   # evicted between chunks
+    WHOLE_THEN_COMPRESS = "whole_then_compress"    # the prompt is prefilled whole, then compressed once
+                                                   # (a pool slot must hold the whole prompt)
+
+
+@dataclass(frozen=True, eq=False)
+class MethodPlan:
+    """A method bound to one request (``Method.bind``): immutable, so one method serves many requests.
+
+    ``capacities``: KV cells each layer may hold for the prompt (before the engine's sliding-window
+    scaling and slot clamping); ``warnings``: why the budget could not be met as asked;
+    ``priority``: per prompt position, what the native step ranks by (order ``tool-relevance``)."""
+
+    method: Method
+    capacities: tuple[int, ...]
+    warnings: tuple[str, ...] = ()
+    priority: np.ndarray | None = None
+
+    def select(self, view: LayerView, capacity: int) -> np.ndarray:
+        """Positions (subset of view.positions) to keep, at most ``capacity`` of them."""
+        return self.method.select(view, capacity)
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        """``select`` of layer ``layer`` as data for the native step (same keep set for the same view)."""
+        return self.method.step_rule(layer, n_layer, prompt_len)
+
+
 class Method:
-    """Base class: a uniform capacity of ``budget`` x visible tokens in every layer."""
+    """Base class: a uniform capacity of ``budget`` x visible tokens in every layer.
+
+    Subclasses set ``prefill_mode`` and, where it applies, the independent declarations below; an
+    instance holds configuration only (per-request state goes in the ``MethodPlan`` of ``bind``)."""
 
     name = "base"
-    keeps_all = False                # True: nothing is ever evicted (the upstream cache, Full KV)
+    prefill_mode = PrefillMode.EVICT_WHILE_READING
+    # independent of prefill_mode: an attention method may evict while reading (H2O, TOVA) or
+    # compress once (SnapKV), and a whole-prompt method may not read attention at all
     needs_attention = False          # True: the engine must collect attention statistics
     attention_stat = "sum"           # incremental statistic: "sum" (accumulated) or "last" (newest query)
-    compress_after_prefill = False   # True: the prompt is prefilled whole, then compressed once
-    plans_prompt = False             # True: select() on the whole prompt before prefill (no scores needed)
     scales_swa_capacity = True       # True: the engine scales a sliding-window layer's capacity by its window
-    reads_prompt_text = False        # True: the engine passes the prompt's token texts (observe_prompt)
+    reads_prompt_text = False        # True: ``bind`` gets the prompt's token texts (PASK's tool-relevance)
+
+    @property
+    def keeps_all(self) -> bool:
+        """Nothing is ever evicted (``PrefillMode.NONE``)."""
+        return self.prefill_mode == PrefillMode.NONE
+
+    @property
+    def compress_after_prefill(self) -> bool:
+        """The prompt is prefilled whole, then compressed once (``PrefillMode.WHOLE_THEN_COMPRESS``)."""
+        return self.prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
+
+    @property
+    def plans_prompt(self) -> bool:
+        """``select`` runs on the whole prompt before prefill (``PrefillMode.PLANNED``)."""
+        return self.prefill_mode == PrefillMode.PLANNED
 
     def report_groups(self, n_layer: int) -> list[list[int]]:
         """Layer groups that stats, traces and the TUI report by: 4 contiguous groups."""
@@ -77,16 +138,12 @@ class Method:
         """The policy this method runs, for the trace header (None: a fixed rule)."""
         return None
 
-    def budget_warnings(self) -> list[str]:
-        """Why the last ``capacities`` call could not meet the budget (empty: it did)."""
-        return []
-
-    def observe_prompt(self, pieces: list[str], classes: np.ndarray) -> None:
-        """The prompt's token texts and classes, before ``capacities`` (only if ``reads_prompt_text``)."""
-
-    def step_priority(self) -> np.ndarray | None:
-        """Per-position priorities the native step ranks by (rules with order ``tool-relevance``), or None."""
-        return None
+    def bind(self, budget: float, classes: np.ndarray, n_layer: int,
+             pieces: list[str] | None = None) -> MethodPlan:
+        """This method for one request: a prompt whose tokens have ``classes`` (their texts
+        ``pieces``, given when ``reads_prompt_text``) at ``budget``. Reads nothing but its arguments
+        and the method's configuration; writes nothing."""
+        return MethodPlan(self, tuple(self.capacities(budget, classes, n_layer)))
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         """KV cells each layer may hold for a sequence whose tokens have these classes."""
@@ -94,7 +151,8 @@ class Method:
         return [cap] * n_layer
 
     def select(self, view: LayerView, capacity: int) -> np.ndarray:
-        """Positions (subset of view.positions) to keep, at most ``capacity`` of them."""
+        """Positions (subset of view.positions) to keep, at most ``capacity`` of them (a rule that
+        needs per-request state selects through its plan instead)."""
         raise NotImplementedError
 
     def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:

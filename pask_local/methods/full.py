@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method
+from .base import LayerView, Method, PrefillMode
 
 
 class FullKV(Method):
-    name = "full"
-    keeps_all = True
+    prefill_mode = PrefillMode.NONE
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         return [len(classes)] * n_layer

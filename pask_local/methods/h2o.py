@@ -12,7 +12,6 @@ from .base import LayerView, Method, StepRule, top_k_positions
 
 
 class H2O(Method):
-    name = "h2o"
     needs_attention = True
 
     def __init__(self, recent_ratio: float = 0.5) -> None:

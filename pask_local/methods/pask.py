@@ -23,18 +23,24 @@ class (every class without a floor shares one protection rank, so attention alon
 Structure says what must persist (names, the query, the call); attention ranks everything else.
 With the structural orders only this lookup runs online and the prompt is evicted while it is
 prefilled; ``attention`` needs the statistic, so the prompt is prefilled whole and compressed once.
+The within-class orders are small ``Order`` objects (``ORDERS``, by the policy's name for them); a
+PASK variant (``methods.registry``) is PASK with another order or residual, never a switch in here.
+``PASK.bind`` compiles the policy for one request into a frozen ``PASKPlan`` (class quotas, the held
+tail, tool-relevance priorities), which selects; the PASK object itself holds only configuration.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 from ..classes import PROTECTION_ORDER, StructuralClass, class_index
-from ..policy import CompiledPolicy, Policy, compile_policy
+from ..policy import Policy, compile_policy
 from ..tagging.relevance import tool_relevance
-from .base import LayerView, Method, StepRule
+from .base import LayerView, Method, MethodPlan, PrefillMode, StepRule
 from .snapkv import pool_scores
 
 _ALL = list(StructuralClass)
@@ -42,44 +48,144 @@ _RANK = np.array([PROTECTION_ORDER.index(c) for c in _ALL])  # class index -> pr
 _TAIL = [class_index(StructuralClass.QUERY), class_index(StructuralClass.TEMPLATE)]  # a held prompt tail's classes
 
 
+@dataclass(frozen=True)
+class Order:
+    """A within-class order: which members of a class persist first (``worth``: higher first, all
+    values distinct). ``name`` is the policy's ``within_class_order`` and the native rule's order."""
+
+    name: str = "oldest-first"
+    needs_attention: bool = False    # ranks by the observation window's attention: prefilled whole first
+    reads_prompt_text: bool = False  # ranks by the prompt's words (bind gets the token texts)
+
+    @property
+    def query_aware(self) -> bool:
+        """Whether the question's text (its words, or the attention its tokens pay) changes the order."""
+        return self.needs_attention or self.reads_prompt_text
+
+    def worth(self, pos: np.ndarray, all_classes: np.ndarray | None, scores: np.ndarray | None,
+              prompt_len: int, priority: np.ndarray | None) -> np.ndarray:
+        return pos.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class NewestFirst(Order):
+    name: str = "newest-first"
+
+    def worth(self, pos, all_classes, scores, prompt_len, priority) -> np.ndarray:
+        return (-pos).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class SpanHead(Order):
+    """Every span (a run of same-class tokens) loses its tail before any span loses its head."""
+
+    name: str = "span-head"
+
+    def worth(self, pos, all_classes, scores, prompt_len, priority) -> np.ndarray:
+        if all_classes is not None and len(all_classes) > int(pos.max(initial=0)):
+            return _span_head(pos, all_classes)
+        return pos.astype(np.float64)  # no classes to find spans in: oldest-first
+
+
+@dataclass(frozen=True)
+class AttentionOrder(Order):
+    """The tokens the observation window attends to most (pooled as SnapKV's) persist first."""
+
+    name: str = "attention"
+    needs_attention: bool = True
+    kernel: int = 7  # score pooling, as SnapKV
+
+    def worth(self, pos, all_classes, scores, prompt_len, priority) -> np.ndarray:
+        if scores is None:
+            raise RuntimeError("PASK with within_class_order 'attention' needs attention scores")
+        pooled = pool_scores(pos, scores, self.kernel)
+        return np.lexsort((pos, pooled)).argsort().astype(np.float64)  # rank; ties: newer first
+
+
+@dataclass(frozen=True)
+class ToolRelevance(Order):
+    """Prompt positions by their tool's relevance to the query's words, then span-head; generated
+    positions span-head."""
+
+    name: str = "tool-relevance"
+    reads_prompt_text: bool = True
+
+    def worth(self, pos, all_classes, scores, prompt_len, priority) -> np.ndarray:
+        if priority is None or len(priority) < prompt_len or all_classes is None:
+            raise RuntimeError("PASK with within_class_order 'tool-relevance' needs the prompt's priorities "
+                               "(bind with its pieces)")
+        head = _span_head(pos, all_classes)
+        if prompt_len == 0:
+            return head
+        return np.where(pos < prompt_len, priority[np.minimum(pos, max(0, prompt_len - 1))], head)
+
+
+OLDEST_FIRST, NEWEST_FIRST, SPAN_HEAD = Order(), NewestFirst(), SpanHead()
+ATTENTION, TOOL_RELEVANCE = AttentionOrder(), ToolRelevance()
+ORDERS: dict[str, Order] = {o.name: o for o in (OLDEST_FIRST, NEWEST_FIRST, SPAN_HEAD, ATTENTION, TOOL_RELEVANCE)}
+
+
 class PASK(Method):
-    name = "pask"
     scales_swa_capacity = False  # the compile step already counts sliding-window layers by their window
 
     def __init__(self, policy: Policy, swa_layers: tuple[int, ...] = (), window: int = 0,
-                 recent: int = 32, hold_tail: bool = True) -> None:
+                 recent: int = 32, hold_tail: bool = True, name: str | None = None) -> None:
+        if name is not None:
+            self.name = name  # a registered variant's name: what traces and stats report
         self.policy = policy
         self.hold_tail = hold_tail  # the prompt's question-and-header tail stays held while the call is written
-        self._prompt_classes: np.ndarray | None = None  # class index per prompt position (compile)
         self.ranks = [_RANK if policy.residual == "weights" else _floor_ranks(f) for f in policy.floors]
         self.recent = recent
         self.swa_layers = swa_layers
         self.window = window
         self.group_of = policy.group_of_layer()
-        self.compiled: CompiledPolicy | None = None
-        # ranking inside a class by attention needs the engine's observation-window statistic
-        self.needs_attention = policy.within_class_order == "attention"
-        self.compress_after_prefill = self.needs_attention
-        self.plans_prompt = not self.needs_attention  # a structural order: decided before prefill
-        self.reads_prompt_text = policy.within_class_order == "tool-relevance"
-        self._priority: np.ndarray | None = None  # tool-relevance: per prompt position (observe_prompt)
-        self.kernel = 7  # score pooling, as SnapKV
 
-    def observe_prompt(self, pieces: list[str], classes: np.ndarray) -> None:
-        if self.reads_prompt_text:
-            self._priority = relevance_priority(tool_relevance(pieces, classes), np.asarray(classes))
+    # what the engine reads follows the policy's order (looked up when read: a policy edited after
+    # construction, as the tests do, is what runs)
+    @property
+    def order(self) -> Order:
+        return ORDERS[self.policy.within_class_order]
 
-    def step_priority(self) -> np.ndarray | None:
-        return self._priority
+    @property
+    def needs_attention(self) -> bool:  # type: ignore[override]
+        return self.order.needs_attention
 
-    def compile(self, budget: float, classes: np.ndarray) -> CompiledPolicy:
-        self._prompt_classes = np.asarray(classes, dtype=np.int64)
-        counts = np.bincount(classes, minlength=len(_ALL))
-        self.compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
-                                       self.swa_layers, self.window)
-        if self.policy.residual == "attention":  # the floors are the only quotas; attention fills the rest
-            self.compiled.keep = [dict(f) for f in self.policy.floors]
-        return self.compiled
+    @property
+    def reads_prompt_text(self) -> bool:  # type: ignore[override]
+        return self.order.reads_prompt_text
+
+    @property
+    def prefill_mode(self) -> PrefillMode:  # type: ignore[override]
+        # ranking by attention needs the observation window's statistic: the whole prompt first;
+        # a structural order is decided before prefill
+        return PrefillMode.WHOLE_THEN_COMPRESS if self.order.needs_attention else PrefillMode.PLANNED
+
+    def bind(self, budget: float, classes: np.ndarray, n_layer: int,
+             pieces: list[str] | None = None) -> PASKPlan:
+        """Compile the policy for this prompt (class quotas per group, layer capacities)."""
+        self.policy.check_model(n_layer)
+        prompt_classes = np.array(classes, dtype=np.int64)
+        counts = np.bincount(prompt_classes, minlength=len(_ALL))
+        compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
+                                  self.swa_layers, self.window)
+        # residual "attention": the floors are the only quotas; attention fills the rest
+        keep = self.policy.floors if self.policy.residual == "attention" else compiled.keep
+        order = self.order
+        priority = None  # without pieces a tool-relevance plan sizes but cannot select (select says so)
+        if order.reads_prompt_text and pieces is not None:
+            priority = relevance_priority(tool_relevance(pieces, prompt_classes), prompt_classes)
+        return PASKPlan(self, tuple(compiled.layer_capacity), tuple(compiled.warnings), priority,
+                        keep=tuple(MappingProxyType(dict(k)) for k in keep), prompt_classes=prompt_classes,
+                        order=order)
+
+    def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
+        return list(self.bind(budget, classes, n_layer).capacities)
+
+    def select(self, view: LayerView, capacity: int) -> np.ndarray:
+        raise RuntimeError("PASK selects through its plan: method.bind(budget, classes, n_layer).select(...)")
+
+    def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
+        raise RuntimeError("PASK's step rule comes from its plan: method.bind(...).step_rule(...)")
 
     def report_groups(self, n_layer: int) -> list[list[int]]:
         return self.policy.groups
@@ -87,38 +193,46 @@ class PASK(Method):
     def policy_json(self) -> dict:
         return self.policy.to_json()
 
-    def budget_warnings(self) -> list[str]:
-        return list(self.compiled.warnings) if self.compiled is not None else []
 
-    def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
-        self.policy.check_model(n_layer)
-        return list(self.compile(budget, classes).layer_capacity)
+@dataclass(frozen=True, eq=False)
+class PASKPlan(MethodPlan):
+    """PASK bound to one prompt: the compiled class shares per group (``keep``), the prompt's classes
+    (the held tail) and the order it ranks by."""
+
+    keep: tuple[MappingProxyType, ...] = ()
+    prompt_classes: np.ndarray | None = None
+    order: Order = OLDEST_FIRST
+
+    def __post_init__(self) -> None:
+        for a in (self.prompt_classes, self.priority):
+            if a is not None:
+                a.flags.writeable = False  # shared by every reader of the plan
 
     def select(self, view: LayerView, capacity: int) -> np.ndarray:
-        if self.compiled is None:
-            raise RuntimeError("PASK.select before capacities()/compile()")
+        m: PASK = self.method  # type: ignore[assignment]
         pos, cls = view.positions, view.classes
         if len(pos) <= capacity:
             return np.sort(pos)
-        keep_frac = self.compiled.keep[self.group_of[view.layer]]
-        rank = self.ranks[self.group_of[view.layer]]
+        keep_frac = self.keep[m.group_of[view.layer]]
+        rank = m.ranks[m.group_of[view.layer]]
         totals = np.bincount(view.all_classes if view.all_classes is not None else cls, minlength=len(_ALL))
-        never = np.isin(cls, [class_index(c) for c in self.policy.never_evict])
+        never = np.isin(cls, [class_index(c) for c in m.policy.never_evict])
         recent = never.copy()  # never-evict classes first, then the call being written, the tail, the newest
         n_gen = int((pos >= view.prompt_len).sum()) if view.prompt_len else 0
         tail_from = self.tail_from(view.prompt_len)
         n_tail = int((~never & (pos >= tail_from)).sum()) if tail_from >= 0 else 0
-        n_recent = max(0, min(max(self.recent, n_gen, n_tail), capacity - int(never.sum())))
+        n_recent = max(0, min(max(m.recent, n_gen, n_tail), capacity - int(never.sum())))
         if n_recent:
             others = np.flatnonzero(~never)
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
         kept = recent.copy()
-        worth = self._worth(pos, view.all_classes, view.scores, view.prompt_len)  # higher persists first
+        # higher persists first
+        worth = self.order.worth(pos, view.all_classes, view.scores, view.prompt_len, self.priority)
         for ci in np.unique(cls):
             of_class = cls == ci
             members = np.flatnonzero(of_class & ~kept)
             c = _ALL[ci]
-            target = int(of_class.sum()) if c in self.policy.never_evict else math.ceil(
+            target = int(of_class.sum()) if c in m.policy.never_evict else math.ceil(
                 keep_frac[c] * totals[ci] - 1e-9)
             want = min(max(0, target - int((of_class & kept).sum())), len(members))
             if want:
@@ -136,49 +250,26 @@ class PASK(Method):
         return np.sort(pos[kept])
 
     def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
-        if self.compiled is None:
-            raise RuntimeError("PASK.step_rule before capacities()/compile()")
-        group = self.group_of[layer]
-        keep_frac = self.compiled.keep[group]
-        return StepRule("quota", recent=self.recent, protect_from=self.tail_from(prompt_len),
-                        never=tuple(class_index(c) for c in self.policy.never_evict),
-                        order=self.policy.within_class_order,
-                        keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in self.ranks[group]))
+        m: PASK = self.method  # type: ignore[assignment]
+        group = m.group_of[layer]
+        keep_frac = self.keep[group]
+        return StepRule("quota", recent=m.recent, protect_from=self.tail_from(prompt_len),
+                        never=tuple(class_index(c) for c in m.policy.never_evict),
+                        order=self.order.name,
+                        keep=tuple(float(keep_frac[c]) for c in _ALL), rank=tuple(int(r) for r in m.ranks[group]))
 
     def tail_from(self, prompt_len: int) -> int:
         """The first position of the held prompt tail (-1: none): of the prompt's last ``recent``
         tokens, the final run of query and template tokens (the question and the assistant's header,
         which SnapKV's observation window also holds; not the end of a tool list)."""
-        cls = self._prompt_classes
-        if not self.hold_tail or prompt_len <= 0 or cls is None or len(cls) < prompt_len:
+        m: PASK = self.method  # type: ignore[assignment]
+        cls = self.prompt_classes
+        if not m.hold_tail or prompt_len <= 0 or cls is None or len(cls) < prompt_len:
             return -1
-        start = max(0, prompt_len - self.recent)
+        start = max(0, prompt_len - m.recent)
         other = np.flatnonzero(~np.isin(cls[start:prompt_len], _TAIL))
         first = start + (int(other[-1]) + 1 if len(other) else 0)
         return first if first < prompt_len else -1
-
-    def _worth(self, pos: np.ndarray, all_classes: np.ndarray | None,
-               scores: np.ndarray | None = None, prompt_len: int = 0) -> np.ndarray:
-        """Within-class persistence order of ``pos`` (higher persists first; all values distinct)."""
-        order = self.policy.within_class_order
-        if order == "attention":
-            if scores is None:
-                raise RuntimeError("PASK with within_class_order 'attention' needs attention scores")
-            pooled = pool_scores(pos, scores, self.kernel)
-            return np.lexsort((pos, pooled)).argsort().astype(np.float64)  # rank; ties: newer first
-        if order == "tool-relevance":  # prompt positions by priority, generated ones span-head
-            pr = self._priority
-            if pr is None or len(pr) < prompt_len or all_classes is None:
-                raise RuntimeError("PASK with within_class_order 'tool-relevance' needs observe_prompt() first")
-            head = _span_head(pos, all_classes)
-            if prompt_len == 0:
-                return head
-            return np.where(pos < prompt_len, pr[np.minimum(pos, max(0, prompt_len - 1))], head)
-        if order == "newest-first":
-            return (-pos).astype(np.float64)
-        if order == "span-head" and all_classes is not None and len(all_classes) > int(pos.max(initial=0)):
-            return _span_head(pos, all_classes)
-        return pos.astype(np.float64)
 
 
 def _span_head(pos: np.ndarray, all_classes: np.ndarray) -> np.ndarray:

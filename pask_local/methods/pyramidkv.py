@@ -15,7 +15,6 @@ from .snapkv import SnapKV
 
 
 class PyramidKV(SnapKV):
-    name = "pyramidkv"
 
     def __init__(self, window: int = 32, kernel: int = 7, min_ratio: float = 0.4) -> None:
         super().__init__(window, kernel)

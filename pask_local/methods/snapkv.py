@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerView, Method, StepRule, top_k_positions
+from .base import LayerView, Method, PrefillMode, StepRule, top_k_positions
 
 
 def pool_scores(positions: np.ndarray, scores: np.ndarray, kernel: int) -> np.ndarray:
@@ -30,9 +30,8 @@ def pool_scores(positions: np.ndarray, scores: np.ndarray, kernel: int) -> np.nd
 
 
 class SnapKV(Method):
-    name = "snapkv"
     needs_attention = True
-    compress_after_prefill = True
+    prefill_mode = PrefillMode.WHOLE_THEN_COMPRESS
 
     def __init__(self, window: int = 32, kernel: int = 7) -> None:
         self.window = window

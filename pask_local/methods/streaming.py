@@ -8,7 +8,6 @@ from .base import LayerView, Method, StepRule
 
 
 class StreamingLLM(Method):
-    name = "streaming"
 
     def __init__(self, n_sink: int = 4) -> None:
         self.n_sink = n_sink

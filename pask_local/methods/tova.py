@@ -12,7 +12,6 @@ from .base import LayerView, Method, StepRule, top_k_positions
 
 
 class TOVA(Method):
-    name = "tova"
     needs_attention = True
     attention_stat = "last"
 
