@@ -3,7 +3,7 @@ once) talked to with the official ``openai`` client: tool calls, streamed tool-c
 parallel calls, tool_choice variants, a conversation with a tool result, concurrent clients, a
 client that disconnects mid-stream, a full queue, and bad inputs with OpenAI's error shape and
 status codes. The tests pin behaviour (valid calls against the schema, status codes, slots freed),
-never one machine's greedy output. Also: the streaming parser, the scheduler and the request
+never one machine's greedy output. Also: the streaming parser, the pool's queue and the request
 validation without a model, the engine's ``on_token`` hook, and the ``serve`` command itself."""
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from conftest import REPO
 from test_cli_errors import assert_one_line_error
 
 from pask_local.engine.factory import DEFAULT_METHOD
+from pask_local.engine.isolated_pool import IsolatedPool
+from pask_local.engine.pool import QueueFull, RequestCancelled
 from pask_local.server.openai_io import APIError, Defaults, parse_chat_request
-from pask_local.server.scheduler import Cancelled, QueueFull, Scheduler
 from pask_local.server.streaming import ReplyStreamer
 
 pytestmark = pytest.mark.slow
@@ -467,7 +468,7 @@ def test_on_token_hook_stops_the_decode_loop(qwen05_path) -> None:
         model.close()
 
 
-# ---------------------------------------------------------------- no model: parser, scheduler, validation
+# ---------------------------------------------------------------- no model: parser, queue, validation
 def _stream(text: str, calls: bool, opener: str | None, seed: int) -> tuple[str | None, list[tuple[str, Any]]]:
     import random
 
@@ -507,27 +508,40 @@ def test_reply_streamer_reassembles_what_the_model_wrote(seed) -> None:
     assert _stream('{"name": "a", "arguments": {"k": 1.5}}', True, None, seed) == (None, [("a", {"k": 1.5})])
 
 
-def test_scheduler_admission_and_cancellation() -> None:
-    sched = Scheduler(slots=1, queue_size=1)
+class _Job:
+    """An engine stand-in for the pool: ``execute`` runs ``fn(on_token)`` on the slot's thread."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def execute(self, prepared: Any, trace: Any = None, on_token: Any = None) -> Any:
+        return self.fn(on_token)
+
+
+def test_pool_admission_and_cancellation() -> None:
+    """The server's queue without a model (the same queue as the batched pool's): slots + queue
+    admitted, beyond that QueueFull (429), a cancelled waiting request never runs."""
+    pool = IsolatedPool(slots=1, queue_size=1)
     gate = threading.Event()
     try:
-        running = sched.submit(lambda job: gate.wait(10) and "ran")
+        running = pool.submit(_Job(lambda hook: gate.wait(10) and "ran"), None)
         deadline = time.monotonic() + 5
-        while sched.busy != 1:
+        while pool.busy != 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        queued = sched.submit(lambda job: "never")
+        cancel = threading.Event()
+        queued = pool.submit(_Job(lambda hook: "never"), None, cancelled=cancel.is_set)
         with pytest.raises(QueueFull):
-            sched.submit(lambda job: "refused")
-        queued.cancel()
+            pool.submit(_Job(lambda hook: "refused"), None)
+        cancel.set()
         gate.set()
-        assert running.future.result(5) == "ran"
-        with pytest.raises(Cancelled):
-            queued.future.result(5)
-        assert sched.submit(lambda job: job.cancelled).future.result(5) is False
+        assert running.result(5) == "ran"
+        with pytest.raises(RequestCancelled):
+            queued.result(5)
+        assert pool.submit(_Job(lambda hook: hook(0)), None).result(5) is False  # not cancelled: go on
     finally:
         gate.set()
-        sched.close()
+        pool.close()
 
 
 @pytest.mark.parametrize("body,status,param", [

@@ -1,12 +1,13 @@
 """The HTTP routes (Starlette): chat completions, models, health, metrics.
 
-``Server`` holds what every request shares: the model (loaded once), the scheduler and the
-metrics. ``POST /v1/chat/completions`` validates the body (``openai_io``), plans and sizes the
-request on a thread (``Engine.prepare``: a prompt that does not fit is a 400 before any KV is
-allocated), then asks the scheduler for a place (429 when the queue is full) and runs
-``Engine.execute`` on a slot. Its ``on_token`` hook feeds the stream and returns the job's
-cancellation flag, so a client that disconnects (stream or not) stops the decode loop and frees
-its slot. Errors are OpenAI's error object with the matching status; a bad request is never a 500.
+``Server`` holds what every request shares: the model (loaded once), the pool and the metrics.
+``POST /v1/chat/completions`` validates the body (``openai_io``), plans and sizes the request on a
+thread (``Engine.prepare``: a prompt that does not fit is a 400 before any KV is allocated), then
+submits it to the pool and awaits its future: ``engine.pool.SlotPool`` (continuous batching, the
+default) or ``engine.isolated_pool.IsolatedPool`` (``--no-batch``). The pool owns the queue (429
+when it is full), the slots and shutdown. The request's ``on_token`` hook feeds the stream; its
+cancel flag, set when the client disconnects (stream or not), stops it at the pool's next step and
+frees its slot. Errors are OpenAI's error object with the matching status; a bad request is never a 500.
 
 Before any of that, work is bounded: the body must arrive within ``body_timeout`` seconds (408), and
 a body over 1 MiB is parsed, rendered and tokenized with at most ``prepare_workers - 1`` others, at
@@ -20,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +41,8 @@ from starlette.types import Receive, Scope, Send
 from ..engine import Engine, EngineConfig, EngineResult, make_method
 from ..engine.core import Prepared
 from ..engine.factory import DEFAULT_POLICY_METHODS
-from ..engine.pool import PoolLayout, SlotPool
+from ..engine.isolated_pool import IsolatedPool
+from ..engine.pool import PoolClosed, PoolLayout, QueueFull, RequestCancelled, SlotPool
 from ..errors import ContextLengthError, PaskError
 from ..llm import Model
 from ..methods import Method
@@ -63,7 +67,6 @@ from .openai_io import (
     usage,
     usage_chunk,
 )
-from .scheduler import Cancelled, Job, QueueFull, Scheduler
 from .streaming import SSE_DONE, SSE_KEEPALIVE, ReplyStreamer, sse
 
 KEEPALIVE_S = 5.0        # an SSE comment while a stream waits for its slot
@@ -112,7 +115,7 @@ def model_failure(result: EngineResult) -> APIError | None:
 
 
 class Server:
-    """The loaded model, the scheduler and the metrics shared by all requests."""
+    """The loaded model, the pool and the metrics shared by all requests."""
 
     def __init__(self, model: Model, config: ServerConfig) -> None:
         self.model = model
@@ -121,22 +124,25 @@ class Server:
         self._policy: Policy | None = None
         self.warnings: list[str] = []
         method = self.method(config.defaults.method)  # the default method must build: a bad policy fails here
-        self.pool: SlotPool | None = None
-        slots = config.slots
+        self.pool: SlotPool | IsolatedPool
         if config.batch:
             layout = self.pool_layout(method)
             self.pool = SlotPool(model, layout, flash_attn=config.flash_attn, prefill_tokens=config.prefill_tokens,
                                  prefix_cache=config.prefix_cache,
-                                 reuse="any" if config.reuse_compressed else "exact")
-            slots = layout.slots
-        self.scheduler = Scheduler(max(1, slots), config.queue_size)
+                                 reuse="any" if config.reuse_compressed else "exact", queue_size=config.queue_size)
+            self.slots = layout.slots
+            self.context_limit = layout.slot_len
+        else:
+            self.slots = max(1, config.slots)  # auto: one context at a time
+            self.pool = IsolatedPool(self.slots, config.queue_size)
+            self.context_limit = config.max_context or model.n_ctx_train
+        self.batched = isinstance(self.pool, SlotPool)
         self.gate = PrepareGate(config.prepare_workers, config.queue_size)
-        self.context_limit = (self.pool.layout.slot_len if self.pool is not None
-                              else config.max_context or model.n_ctx_train)
         # a prompt of B bytes is at least B / longest-piece tokens: text past this cannot fit
         self.max_message_chars = self.context_limit * model.longest_piece()
-        self.metrics = Metrics(lambda: self.scheduler.busy, lambda: self.scheduler.waiting, slots,
-                               config.queue_size, self.pool)
+        pool = self.pool
+        self.metrics = Metrics(lambda: pool.busy, lambda: pool.waiting, self.slots, config.queue_size,
+                               pool if isinstance(pool, SlotPool) else None)
 
     def pool_layout(self, method: Method) -> PoolLayout:
         """The slots of the batched pool: ``kv_mem`` bytes of K/V or ``slots`` slots of ``slot_len`` tokens."""
@@ -178,9 +184,7 @@ class Server:
             raise bad_request(str(exc), "pask") from None
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
 
     # ------------------------------------------------------------ routes
     async def chat(self, request: Request) -> Response:
@@ -212,16 +216,15 @@ class Server:
                            code="context_length_exceeded") from None
         except PaskError as exc:
             raise bad_request(str(exc)) from None
-        limit = self.pool.layout.slot_len if self.pool is not None else self.cfg.max_context
+        limit = self.context_limit if self.batched else self.cfg.max_context
         if limit and prepared.n_prompt + req.max_tokens > limit:
             raise APIError(400, f"prompt ({prepared.n_prompt} tokens) + max_tokens ({req.max_tokens}) exceed this "
                            f"server's context limit ({limit}); shorten the messages or lower max_tokens",
                            param="messages", code="context_length_exceeded")
-        if self.pool is not None:
-            try:
-                self.pool.check(engine, prepared)
-            except PaskError as exc:
-                raise bad_request(str(exc), "pask") from None
+        try:
+            self.pool.check(engine, prepared)
+        except PaskError as exc:
+            raise bad_request(str(exc), "pask") from None
         return req, engine, prepared
 
     def _check_message_size(self, body: Any) -> None:
@@ -248,16 +251,18 @@ class Server:
             except RuntimeError:  # the event loop has closed (shutdown): nobody is listening
                 pass
 
+        cancel = threading.Event()  # set when the client goes away: the pool stops the request
         try:
-            job = self.scheduler.submit(lambda job: self._work(job, engine, prepared, arrival,
-                                                               push if req.stream else None))
+            future = self._submit(engine, prepared, arrival, push if req.stream else None, cancel)
         except QueueFull as exc:
             raise APIError(429, f"{exc}; retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
-        job.future.add_done_callback(lambda _f: push(("done", None)))
+        except PoolClosed:
+            raise APIError(503, "the server is shutting down", type="server_error", code="cancelled") from None
+        future.add_done_callback(lambda _f: push(("done", None)))
         if req.stream:
-            return JobStream(job, self._stream(job, req, prepared, events))
-        return await self._complete(request, job, req)
+            return JobStream(cancel, self._stream(future, req, prepared, events))
+        return await self._complete(request, future, cancel, req)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, at most ``max_body_bytes``, arrived within ``body_timeout`` seconds (408 otherwise)."""
@@ -283,44 +288,49 @@ class Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _work(self, job: Job, engine: Engine, prepared: Prepared, arrival: float, push: Any) -> EngineResult:
-        """Runs on a slot thread: the engine, with the hook that streams and cancels."""
+    def _submit(self, engine: Engine, prepared: Prepared, arrival: float,
+                push: Callable[[tuple[str, Any]], None] | None, cancel: threading.Event) -> Future[EngineResult]:
+        """Submit to the pool, with the hook that streams and the metrics recorded when it ends."""
         first = last = 0.0
         n = 0
 
-        def on_token(token: int) -> bool:
+        def on_token(token: int) -> bool:  # on the pool's thread
             nonlocal first, last, n
             last = time.perf_counter()
             first = first or last
             n += 1
             if push is not None:
                 push(("token", self.model.piece(token)))
-            return job.cancelled
+            return cancel.is_set()
 
-        try:
-            if self.pool is not None:
-                result = self.pool.execute(engine, prepared, on_token, cancelled=lambda: job.cancelled)
-            else:
-                result = engine.execute(prepared, on_token=on_token)
-        except BaseException:
-            self.metrics.finish("error", None, None, None, time.perf_counter() - arrival)
-            raise
-        reason = "cancelled" if result.finish == "cancelled" else (
-            "error" if model_failure(result) else finish_reason(result))
-        self.metrics.finish(reason, result.stats, first - arrival if n else None,
-                            (last - first) / (n - 1) if n > 1 else None, (last or time.perf_counter()) - arrival)
-        return result
+        def finished(future: Future[EngineResult]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                if not isinstance(exc, RequestCancelled) or exc.started:  # (a request that never ran is not counted)
+                    reason = "cancelled" if isinstance(exc, RequestCancelled | PoolClosed) else "error"
+                    self.metrics.finish(reason, None, None, None, time.perf_counter() - arrival)
+                return
+            result = future.result()
+            reason = "cancelled" if result.finish == "cancelled" else (
+                "error" if model_failure(result) else finish_reason(result))
+            self.metrics.finish(reason, result.stats, first - arrival if n else None,
+                                (last - first) / (n - 1) if n > 1 else None, (last or time.perf_counter()) - arrival)
 
-    async def _complete(self, request: Request, job: Job, req: ChatRequest) -> Response:
-        fut = asyncio.wrap_future(job.future)
+        future = self.pool.submit(engine, prepared, on_token, cancelled=cancel.is_set)
+        future.add_done_callback(finished)
+        return future
+
+    async def _complete(self, request: Request, future: Future[EngineResult], cancel: threading.Event,
+                        req: ChatRequest) -> Response:
+        fut = asyncio.wrap_future(future)
         while not fut.done():
             await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
             if not fut.done() and await request.is_disconnected():
-                job.cancel()
+                cancel.set()
                 return Response(status_code=499)  # nobody is listening
         try:
             result: EngineResult = fut.result()
-        except Cancelled:
+        except (RequestCancelled, PoolClosed):
             raise APIError(503, "the request was cancelled (the server is shutting down)", type="server_error",
                            code="cancelled") from None
         except PaskError as exc:
@@ -333,7 +343,7 @@ class Server:
                                usage(s["n_prompt"], s["n_gen"]), s)
         return JSONResponse(body)
 
-    async def _stream(self, job: Job, req: ChatRequest, prepared: Prepared,
+    async def _stream(self, future: Future[EngineResult], req: ChatRequest, prepared: Prepared,
                       events: asyncio.Queue[tuple[str, Any]]) -> AsyncIterator[str]:
         plan = prepared.plan
         streamer = ReplyStreamer(plan.grammar is not None, plan.fmt.trigger if plan.fmt else None,
@@ -359,8 +369,8 @@ class Server:
             for delta in streamer.feed_bytes(value):
                 yield chunk(delta)
         try:
-            result: EngineResult = job.future.result()
-        except Cancelled:
+            result: EngineResult = future.result()
+        except (RequestCancelled, PoolClosed):
             yield sse(error_body("the request was cancelled (the server is shutting down)", "server_error",
                                  code="cancelled"))
             yield SSE_DONE
@@ -396,10 +406,9 @@ class Server:
         return JSONResponse(models_body(self.cfg.model_id, self.created)["data"][0])
 
     async def health(self, request: Request) -> Response:
-        body = {"status": "ok", "model": self.cfg.model_id, "slots": self.scheduler.slots,
-                "busy": self.scheduler.busy, "waiting": self.scheduler.waiting,
-                "queue_capacity": self.scheduler.queue_size, "batch": self.pool is not None}
-        if self.pool is not None:
+        body = {"status": "ok", "model": self.cfg.model_id, "slots": self.slots, "busy": self.pool.busy,
+                "waiting": self.pool.waiting, "queue_capacity": self.cfg.queue_size, "batch": self.batched}
+        if self.batched:
             body["pool"] = self.pool.stats()
         return JSONResponse(body)
 
@@ -408,18 +417,19 @@ class Server:
 
 
 class JobStream(StreamingResponse):
-    """An SSE response that cancels its job however the response ends (done, error, client gone)."""
+    """An SSE response that sets its request's cancel flag however the response ends (done, error,
+    client gone)."""
 
-    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+    def __init__(self, cancel: threading.Event, content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.cancel = cancel
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            self.cancel.set()
 
 
 class _AsciiJSON(JSONResponse):
@@ -498,7 +508,7 @@ class PrepareGate:
 
 
 def create_app(server: Server) -> Starlette:
-    """The ASGI app for ``server``; its scheduler is closed when the app shuts down."""
+    """The ASGI app for ``server``; its pool is closed when the app shuts down."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -156,6 +156,7 @@ def serve_command(
     except ImportError as exc:
         raise PaskError(f"pask-local serve needs the 'serve' extra (starlette, uvicorn, prometheus-client): "
                         f"pip install 'pask-local[serve]' ({exc})") from None
+    from ..engine.pool import SlotPool
     from ..llm import Model
     from ..models import default_model_name, resolve_model
     from .openai_io import Defaults
@@ -179,12 +180,12 @@ def serve_command(
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
-    if server.pool is not None:
+    if isinstance(server.pool, SlotPool):
         lay = server.pool.layout
         mode = (f"batched: {lay.slots} slot(s) of {lay.slot_len} tokens, K/V {server.pool.kv_bytes / (1 << 20):.1f} "
                 f"MiB ({server.pool.slot_bytes / (1 << 20):.1f} per slot)")
     else:
-        mode = f"{server.scheduler.slots} slot(s), a context per request"
+        mode = f"{server.slots} slot(s), a context per request"
     print(f"pask-local serve: {name} ({loaded.arch}, method {method}, budget {budget}, {mode}, "
           f"queue {queue}) on http://{host}:{bound[1]}/v1", file=sys.stderr, flush=True)
     config = uvicorn_config(create_app(server), log_level=log_level, header_timeout=header_timeout,

@@ -3,7 +3,7 @@
 Requests by HTTP status and by how they finished, prompt and completion tokens, time to first
 token and time per output token (histograms, seconds; TTFT counts from the request's arrival, so
 it includes the time spent queued), KV entries the method held at the end of each request next to
-what full KV would have held, the scheduler's state (slots busy, jobs waiting) and, with batching,
+what full KV would have held, the pool's state (slots busy, requests waiting) and, with batching,
 the pool's memory and step loop (tokens per llama_decode, the host's share of a step). Each server
 has its own registry, so several apps can live in one process (the tests).
 """
