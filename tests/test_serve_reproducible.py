@@ -11,13 +11,12 @@ reuse such prefixes: the test checks that it does, not what it answers.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from serve_helpers import serve_in_thread
 
 from pask_local.engine.factory import DEFAULT_METHOD
 
@@ -41,12 +40,8 @@ OTHERS = [f"What is the weather in {city}?" for city in
 
 
 def _serve(qwen05_path, method: str, reuse_compressed: bool = False) -> Iterator[tuple[openai.OpenAI, object]]:
-    import socket
-
-    import uvicorn
-
     from pask_local.llm import Model
-    from pask_local.server.app import Server, ServerConfig, create_app
+    from pask_local.server.app import Server, ServerConfig
     from pask_local.server.openai_io import Defaults
 
     old = os.environ.get("PASK_THREADS")
@@ -54,24 +49,10 @@ def _serve(qwen05_path, method: str, reuse_compressed: bool = False) -> Iterator
     model = Model(qwen05_path)
     srv = Server(model, ServerConfig(MODEL_ID, Defaults(method=method, max_tokens=48), slots=2, queue_size=16,
                                      max_context=1024, reuse_compressed=reuse_compressed))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    userver = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
-    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not userver.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="unused",
-                           max_retries=0, timeout=300)
     try:
-        yield client, srv
+        with serve_in_thread(srv) as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300), srv
     finally:
-        userver.should_exit = True
-        thread.join(15)
-        sock.close()
         srv.close()
         model.close()
         if old is None:
