@@ -141,6 +141,7 @@ def _register_optional_commands() -> None:
     from .eval.multiturn_cli import multiturn_command
     from .run_cli import run_command
     from .server.cli import serve_command
+    from .study.cli import study_app
     from .tui.cli import tui_command
 
     app.command("run")(run_command)
@@ -149,6 +150,7 @@ def _register_optional_commands() -> None:
     app.command("calibrate")(calibrate_command)
     app.command("tui")(tui_command)
     app.command("serve")(serve_command)
+    app.add_typer(study_app, name="study")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,11 @@
 """Hostile inputs through the real CLI: each row builds one bad input, runs ``pask-local`` on it and
 records the exit code, the stderr line count and the error line, plus whether a side effect (a
-marker file a template payload tries to create) appeared. Prints a markdown table; ``--json FILE``
-also writes the rows. Uses the project's synthetic GGUF writer and the named model gemma3-270m
-(installed by ``scripts/setup``); every row runs with ``PASK_THREADS=1``.
+marker file a template payload tries to create) appeared. Each row carries what a safe CLI answers:
+exit status 1, one stderr line ``error: ...`` containing the row's expected fragment, no traceback,
+no side effect; a row that answers otherwise fails (exit status 1 of the script). Prints a markdown
+table; ``--json FILE`` also writes the rows. Uses the project's synthetic GGUF writer and the named
+model gemma3-270m (installed by ``scripts/setup``); every row runs with ``PASK_THREADS=1``.
+``tests/test_hostile_inputs.py`` runs it in the suite.
 
     .venv/bin/python scripts/hostile_inputs.py [--json results/hostile_inputs.json]
 """
@@ -57,9 +60,14 @@ def _deep_schema(depth: int) -> dict:
     return {"name": "deep", "description": "d", "parameters": node}
 
 
-def cases(tmp: Path, marker: Path) -> list[tuple[str, list[str]]]:
-    """(label, pask-local arguments) for every hostile input."""
+UNSAFE = "the model's chat template tried an unsafe operation, refused"
+
+
+def cases(tmp: Path, marker: Path) -> list[tuple[str, list[str], str]]:
+    """(label, pask-local arguments, a fragment the one error line must contain) for every hostile input."""
     run = ["run", "--method", "full", "--max-tokens", "16"]
+    model = ["--model", "gemma3-270m"]  # the rows that bring no GGUF of their own
+    named = [*run, *model]
     pol = handwritten_policy(18).to_json()
     pol_nan = json.loads(json.dumps(pol))
     pol_nan["floors"][0]["description"] = float("nan")
@@ -69,39 +77,57 @@ def cases(tmp: Path, marker: Path) -> list[tuple[str, list[str]]]:
     return [
         ("template: cycler.__init__.__globals__.os.system",
          [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ cycler.__init__.__globals__.os.system('touch "
-                                                          + str(marker) + "') }}")), "--schema", str(SCHEMA), "hi"]),
+                                                          + str(marker) + "') }}")), "--schema", str(SCHEMA), "hi"],
+         UNSAFE),
         ("template: ''.__class__.__mro__[1].__subclasses__()",
          [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ ''.__class__.__mro__[1].__subclasses__() }}")),
-          "--schema", str(SCHEMA), "hi"]),
+          "--schema", str(SCHEMA), "hi"], UNSAFE),
         ("template: joiner globals os.popen",
          [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ joiner.__init__.__globals__.os.popen('touch "
-                                                          + str(marker) + "').read() }}")), "--schema", str(SCHEMA), "hi"]),
+                                                          + str(marker) + "').read() }}")), "--schema", str(SCHEMA), "hi"],
+         UNSAFE),
         ("template that raises", [*run, "--gguf", str(_payload_gguf(tmp, marker, "{{ raise_exception('this template "
-                                                                     "takes no tools') }}")), "--schema", str(SCHEMA), "hi"]),
+                                                                     "takes no tools') }}")), "--schema", str(SCHEMA), "hi"],
+         "chat template error: this template takes no tools"),
         ("GGUF truncated to half", [*run, "--gguf", str(_edited_gguf(tmp, "half.gguf", lambda b: b[: len(b) // 2])),
-                                    "--schema", str(SCHEMA), "hi"]),
+                                    "--schema", str(SCHEMA), "hi"], "half.gguf: truncated"),
         ("GGUF wrong magic", [*run, "--gguf", str(_edited_gguf(tmp, "magic.gguf", lambda b: b"GGUX" + b[4:])),
-                              "--schema", str(SCHEMA), "hi"]),
+                              "--schema", str(SCHEMA), "hi"], "magic.gguf is not a GGUF file (bad magic b'GGUX')"),
         ("GGUF of zero bytes", [*run, "--gguf", str(_edited_gguf(tmp, "empty.gguf", lambda b: b"")),
-                                "--schema", str(SCHEMA), "hi"]),
-        ("policy: floor NaN", [*run[:1], "--method", "pask", "--policy", str(_json_file(tmp, "nan.json", json.dumps(pol_nan))),
-                               "--schema", str(SCHEMA), "hi"]),
-        ("policy: groups miss layer 0", [*run[:1], "--method", "pask", "--policy", str(_json_file(tmp, "gap.json", pol_gap)),
-                                         "--schema", str(SCHEMA), "hi"]),
-        ("budget 1.5", [*run[:1], "--budget", "1.5", "--schema", str(SCHEMA), "hi"]),
-        ("schema 50 levels deep", [*run, "--schema", str(_json_file(tmp, "deep.json", [_deep_schema(50)])), "hi"]),
-        ("1,000 tools", [*run, "--schema", str(_json_file(tmp, "many.json", [
+                                "--schema", str(SCHEMA), "hi"], "empty.gguf is not a GGUF file (bad magic b'')"),
+        ("policy: floor NaN", ["run", *model, "--method", "pask", "--policy",
+                               str(_json_file(tmp, "nan.json", json.dumps(pol_nan))), "--schema", str(SCHEMA), "hi"],
+         "floors[0][description] = nan must be a number in [0, 1.0]"),
+        ("policy: groups miss layer 0", ["run", *model, "--method", "pask", "--policy",
+                                         str(_json_file(tmp, "gap.json", pol_gap)), "--schema", str(SCHEMA), "hi"],
+         "groups must partition layers"),
+        ("budget 1.5", ["run", *model, "--budget", "1.5", "--schema", str(SCHEMA), "hi"],
+         "--budget must be in (0, 1], got 1.5"),
+        ("schema 50 levels deep", [*named, "--schema", str(_json_file(tmp, "deep.json", [_deep_schema(50)])), "hi"],
+         "is nested more than 16 levels deep"),
+        ("1,000 tools", [*named, "--schema", str(_json_file(tmp, "many.json", [
             {"type": "function", "function": {**weather["function"], "name": f"tool_{i}"}} for i in range(1000)])),
-                         "hi"]),
-        ("schema is not JSON", [*run, "--schema", str(_json_file(tmp, "bad.json", "{not json")), "hi"]),
-        ("messages: tool result for no call", [*run, "--schema", str(SCHEMA), "--messages", str(_json_file(
+                         "hi"], "1000 tools given, at most 256 are supported"),
+        ("schema is not JSON", [*named, "--schema", str(_json_file(tmp, "bad.json", "{not json")), "hi"],
+         "tool definitions are not valid JSON"),
+        ("messages: tool result for no call", [*named, "--schema", str(SCHEMA), "--messages", str(_json_file(
             tmp, "msgs.json", [{"role": "user", "content": "hi"},
-                               {"role": "tool", "tool_call_id": "call_nope", "content": "20C"}]))]),
-        ("tool_choice: unknown function", [*run, "--schema", str(SCHEMA), "--tool-choice", "no_such_fn", "hi"]),
-        ("request longer than the context", [*run, "--schema", str(SCHEMA), "--messages", str(_json_file(
-            tmp, "long.json", [{"role": "user", "content": "word " * 40000}]))]),
-        ("trace file is binary", ["tui", str(_json_file(tmp, "trace.jsonl", "\x00\x01\x02garbage"))]),
+                               {"role": "tool", "tool_call_id": "call_nope", "content": "20C"}]))],
+         "references call id 'call_nope', which no earlier assistant message made"),
+        ("tool_choice: unknown function", [*named, "--schema", str(SCHEMA), "--tool-choice", "no_such_fn", "hi"],
+         "tool_choice names function 'no_such_fn', which is not among the tools"),
+        ("request longer than the context", [*named, "--schema", str(SCHEMA), "--messages", str(_json_file(
+            tmp, "long.json", [{"role": "user", "content": "word " * 40000}]))], "exceed the model's trained context"),
+        ("trace file is binary", ["tui", str(_json_file(tmp, "trace.jsonl", "\x00\x01\x02garbage"))],
+         "trace.jsonl, line 1"),
     ]
+
+
+def safe(row: dict) -> bool:
+    """What a safe CLI answers to a hostile input: exit status 1 (a PaskError), one stderr line, the
+    expected ``error: ...`` text, no traceback, no side effect."""
+    return (row["exit"] == 1 and row["stderr_lines"] == 1 and row["error"].startswith("error: ")
+            and row["expect"] in row["error"] and not row["traceback"] and not row["side_effect"])
 
 
 def main() -> int:
@@ -113,25 +139,25 @@ def main() -> int:
         tmp = Path(d)
         marker = tmp / "pwned"
         env = {**os.environ, "PASK_THREADS": "1"}
-        for label, argv in cases(tmp, marker):
+        for label, argv, expect in cases(tmp, marker):
             t0 = time.perf_counter()
             proc = subprocess.run([EXE, *argv], capture_output=True, text=True, timeout=300, env=env,
                                   stdin=subprocess.DEVNULL)
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-            rows.append({"input": label, "exit": proc.returncode, "stderr_lines": len(lines),
+            rows.append({"input": label, "expect": expect, "exit": proc.returncode, "stderr_lines": len(lines),
                          "traceback": "Traceback" in proc.stderr, "side_effect": marker.exists(),
                          "seconds": round(time.perf_counter() - t0, 2), "error": lines[-1] if lines else ""})
             marker.unlink(missing_ok=True)
-    print("| input | exit | stderr lines | traceback | side effect | s | message |")
-    print("|---|---|---|---|---|---|---|")
+    print("| input | safe | exit | stderr lines | traceback | side effect | s | message |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         msg = r["error"].replace("|", "\\|")[:160]
-        print(f"| {r['input']} | {r['exit']} | {r['stderr_lines']} | {r['traceback']} | {r['side_effect']} "
-              f"| {r['seconds']} | {msg} |")
+        print(f"| {r['input']} | {'yes' if safe(r) else 'NO'} | {r['exit']} | {r['stderr_lines']} | {r['traceback']} "
+              f"| {r['side_effect']} | {r['seconds']} | {msg} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
-    bad = [r for r in rows if r["exit"] <= 0 or r["traceback"] or r["side_effect"] or r["stderr_lines"] != 1]
+    bad = [r for r in rows if not safe(r)]
     print(f"{len(rows) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0
 

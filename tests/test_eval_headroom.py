@@ -1,19 +1,16 @@
-"""pask_local.eval.headroom and scripts/study_headroom.py: cases split by whether Full KV's answer fits."""
+"""pask_local.eval.headroom and ``pask-local study headroom``: cases split by whether Full KV's answer fits."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from pask_local.eval.headroom import answer_lengths, fits, headroom, markdown
 from pask_local.eval.study import StudyError, load_dirs
 from pask_local.llm import Model
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "study_headroom.py"
 MANIFEST = {"model": "m.gguf", "split": "eval", "max_tokens": 128}
 
 
@@ -78,7 +75,7 @@ def test_answer_lengths_tokenize_fulls_output(gemma_path):
         model.close()
 
 
-def test_script_writes_json_and_table(tmp_path, gemma_path):
+def test_headroom_command_writes_json_and_table(tmp_path, gemma_path):
     study = tmp_path / "study"
     for name, method in (("a", "full"), ("b", "snapkv"), ("c", "pask-prior")):
         d = study / name
@@ -86,12 +83,10 @@ def test_script_writes_json_and_table(tmp_path, gemma_path):
         (d / "run.json").write_text(json.dumps(MANIFEST))
         (d / "cases.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records() if r["method"] == method))
     assert len(load_dirs(sorted(study.iterdir()))[1]) == 15
-    r = subprocess.run([sys.executable, str(SCRIPT), "--gguf", str(gemma_path), str(study)],
-                       capture_output=True, text=True, timeout=300)
+    r = run_cli("study", "headroom", "--gguf", str(gemma_path), str(study), timeout=300)
     assert r.returncode == 0, r.stderr
     h = json.loads((study / "headroom.json").read_text())
     assert h["n_cases"] == 5 and h["budgets"][0]["fit"] == 5  # 2-3 answer tokens of ~102: all fit 0.2
     assert (study / "headroom.md").read_text() == r.stdout
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--gguf", str(gemma_path), str(tmp_path / "none")],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+    bad = run_cli("study", "headroom", "--gguf", str(gemma_path), str(tmp_path / "none"), timeout=300)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""pask_local.eval.kvbytes and scripts/study_kv_bytes.py: K/V bytes against Full KV f16 for the same requests.
+"""pask_local.eval.kvbytes and ``pask-local study kv-bytes``: K/V bytes against Full KV f16 for the same requests.
 
 The oracle for llama.cpp's allocation is the GGUF's shape (layers x KV heads x head size x K and V)
 times the element size (f16: 2 bytes; q8_0: 34 bytes per block of 32), read with the ``gguf``
@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from gguf import GGUFReader
 
 from pask_local.eval.kvbytes import kv_bytes, round_up
 from pask_local.eval.study import StudyError
 
 pytestmark = pytest.mark.slow
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "study_kv_bytes.py"
 
 
 def _cell_bytes(gguf: Path) -> dict[str, float]:
@@ -61,10 +59,11 @@ def _write_study(root: Path, kv_type: str, recs: list[dict], model: str = "m.ggu
 
 
 def _script(*args: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=300)
+    """``pask-local study kv-bytes ARGS`` through the installed console script."""
+    return run_cli("study", "kv-bytes", *map(str, args), timeout=300)
 
 
-def test_script_shares_against_the_gguf_shape(tmp_path, qwen05_path):
+def test_kv_bytes_shares_against_the_gguf_shape(tmp_path, qwen05_path):
     cell = _cell_bytes(qwen05_path)
     prompts = {"c0": 254, "c1": 500}  # Full f16 cells: 383 -> 512, 629 -> 768
     f16 = _write_study(tmp_path / "f16", "f16", [_rec(c, "full", None, n) for c, n in prompts.items()]
@@ -120,9 +119,9 @@ def test_bad_records_are_study_errors():
         kv_bytes(recs, ["c0"], "f16", lambda n, t: 10 * n, 128)
 
 
-def test_script_errors_are_one_line(tmp_path, qwen05_path):
+def test_kv_bytes_errors_are_one_line(tmp_path, qwen05_path):
     def one_line(r: subprocess.CompletedProcess, text: str) -> None:
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and text in r.stderr, r.stderr
+        assert r.returncode == 1 and r.stderr.count("\n") == 1 and text in r.stderr, r.stderr
 
     one_line(_script(tmp_path, "--out", tmp_path / "kv"), "holds no eval output directory")
     a = _write_study(tmp_path / "a", "f16", [_rec("c0", "full", None, 100), _rec("c0", "snapkv", 0.2, 100)])

@@ -1,10 +1,8 @@
-"""pask_local.eval.study and scripts/eval_table.py: merged directories, common cases, best baseline."""
+"""pask_local.eval.study and ``pask-local study table``: merged directories, common cases, best baseline."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,6 @@ import pytest
 from pask_local.eval.paired import pair, sign_test
 from pask_local.eval.study import StudyError, build_study, load_dirs, markdown, pair_lower
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_table.py"
 MANIFEST = {"model": "m.gguf", "split": "eval", "max_tokens": 128, "share_prefill": True}
 
 
@@ -133,12 +130,12 @@ def test_pair_and_sign_test():
         pair(a, b[::-1])
 
 
-def test_script_writes_json_table_and_plot(tmp_path):
+def test_table_command_writes_json_table_and_plot(tmp_path, cli):
     a, b = _table(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    r = subprocess.run([sys.executable, str(SCRIPT), str(a), str(b), "--json", str(out / "t.json"),
-                        "--md", str(out / "t.md"), "--png", str(out / "t.png")], capture_output=True, text=True)
+    r = cli("study", "table", str(a), str(b), "--json", str(out / "t.json"), "--md", str(out / "t.md"),
+            "--png", str(out / "t.png"))
     assert r.returncode == 0, r.stderr
     st = json.loads((out / "t.json").read_text())
     assert st["n_cases"] == 5 and st["settings"]["max_tokens"] == 128
@@ -147,8 +144,8 @@ def test_script_writes_json_table_and_plot(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["/nonexistent"], ["{a}", "--runs", "snapkv@x"]])
-def test_script_bad_input_is_one_line(tmp_path, args):
+def test_table_command_bad_input_is_one_line(tmp_path, cli, args):
     a, _ = _table(tmp_path)
-    r = subprocess.run([sys.executable, str(SCRIPT), *[s.format(a=a) for s in args]], capture_output=True, text=True)
-    assert r.returncode == 2
+    r = cli("study", "table", *[s.format(a=a) for s in args])
+    assert r.returncode == 1
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1

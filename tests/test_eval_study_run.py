@@ -1,22 +1,17 @@
-"""scripts/eval_study.py on the embedded Gemma: job plan, parallel one-thread jobs, merged table, resume."""
+"""``pask-local study run`` on the embedded Gemma: job plan, parallel one-thread jobs, merged table, resume."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
+
+from pask_local.study import run as study_script
 
 pytestmark = pytest.mark.slow
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_study.py"
-spec = importlib.util.spec_from_file_location("eval_study", SCRIPT)
-study_script = importlib.util.module_from_spec(spec)
-sys.modules["eval_study"] = study_script  # dataclasses look their module up
-spec.loader.exec_module(study_script)
 
 
 def test_plan_shares_one_prefill_between_the_compress_after_prefill_methods(gemma_path):
@@ -35,10 +30,9 @@ def test_plan_shares_one_prefill_between_the_compress_after_prefill_methods(gemm
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--categories", "simple_python,multiple", "--limit", "1",
-                           "--methods", "full,streaming,snapkv,pask-prior", "--budgets", "0.33", "--jobs", "2",
-                           "--out", str(out), *extra, "--", "--max-tokens", "16"],
-                          capture_output=True, text=True, timeout=900)
+    return run_cli("study", "run", "--categories", "simple_python,multiple", "--limit", "1",
+                   "--methods", "full,streaming,snapkv,pask-prior", "--budgets", "0.33", "--jobs", "2",
+                   "--out", str(out), *extra, "--", "--max-tokens", "16", timeout=900)
 
 
 def test_study_runs_in_parallel_jobs_and_resumes(tmp_path):
@@ -62,7 +56,6 @@ def test_study_runs_in_parallel_jobs_and_resumes(tmp_path):
 
 
 def test_bad_input_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--methods", "full,nope", "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2
+    r = run_cli("study", "run", "--methods", "full,nope", "--out", str(tmp_path / "x"), timeout=300)
+    assert r.returncode == 1
     assert r.stderr.strip().startswith("error: unknown method(s) nope") and len(r.stderr.strip().splitlines()) == 1

@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""The whole method study in N processes of one thread each, resumable, then one merged table.
+"""``pask-local study run``: the whole method study in N processes of one thread each, resumable,
+then one merged table.
 
 The (method, budget) runs are split into jobs, each a ``pask-local eval`` process with its own
 output directory under OUT (``OUT/<job>``):
@@ -17,15 +17,10 @@ cases every run holds: ``OUT/study.json``, ``OUT/study.md``, ``OUT/study.png``.
 With ``--fidelity`` after ``--`` every run is a job of its own (teacher-forced runs do not share a
 prefill) and all jobs share Full KV's references in ``OUT/fidelity_ref`` (computed once per case,
 under a lock); the table adds the fidelity columns and their pairing with the best baseline.
-
-    .venv/bin/python scripts/eval_study.py --model qwen2.5-coder-1.5b --limit 5 --jobs 2 \\
-        --methods full,streaming,h2o,snapkv,pyramidkv,tova,pask-prior,pask-hybrid --budgets 0.33,0.2,0.1 \\
-        --out results/study -- --max-tokens 128
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -36,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pask_local.errors import PaskError
-from pask_local.eval.fidelity import REF_DIR
-from pask_local.eval.study import build_study, load_dirs, markdown, plot
+from ..errors import PaskError
+from ..eval.fidelity import REF_DIR
+from ..eval.study import build_study, load_dirs, markdown, plot
 
 
 @dataclass(frozen=True)
@@ -53,10 +48,10 @@ def plan_jobs(model_path: Path, methods: list[str], budgets: list[str], share: b
 
     ``share=False`` (a ``--fidelity`` study: its teacher-forced runs cannot share a prefill) gives
     every (method, budget) a job of its own, so the workers stay balanced."""
-    from pask_local.engine import make_method
-    from pask_local.engine.shared import shares_prefill
-    from pask_local.llm import Model
-    from pask_local.methods import METHOD_NAMES
+    from ..engine import make_method
+    from ..engine.shared import shares_prefill
+    from ..llm import Model
+    from ..methods import METHOD_NAMES
 
     unknown = [m for m in methods if m not in METHOD_NAMES]
     if unknown:
@@ -129,64 +124,39 @@ def run_jobs(jobs: list[Job], base_args: list[str], out: Path, n_workers: int) -
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a named model (pask-local models)")
-    ap.add_argument("--gguf", default=None, help="a GGUF path")
-    ap.add_argument("--methods", required=True)
-    ap.add_argument("--budgets", default="0.33")
-    ap.add_argument("--limit", type=int, default=None, help="cases per category (first N of the split)")
-    ap.add_argument("--split", default="eval")
-    ap.add_argument("--categories", default=None)
-    ap.add_argument("--jobs", type=int, default=2, help="worker processes, one thread each")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("extra", nargs="*", help="after --: more pask-local eval options, e.g. --max-tokens 128")
-    args = ap.parse_args(argv)
-    try:
-        from pask_local.eval.runner import parse_budgets
-        from pask_local.models import resolve_model
+def run_study(model: str | None, gguf: str | None, methods: str, budgets: str, limit: int | None, split: str,
+              categories: str | None, n_jobs: int, out: Path, extra: list[str]) -> tuple[str, list[str]]:
+    """Plan, run and merge the study; writes ``OUT/study.json``, ``.md``, ``.png``. Returns the table
+    and the names of the jobs that failed. ``KeyboardInterrupt`` passes through (rerun to resume)."""
+    from ..eval.runner import parse_budgets
+    from ..models import resolve_model
 
-        path = resolve_model(args.gguf, args.model)
-        budgets = [f"{b:g}" for b in parse_budgets(args.budgets)]
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        if args.jobs < 1:
-            raise PaskError(f"--jobs must be >= 1, got {args.jobs}")
-        fidelity = "--fidelity" in args.extra
-        jobs = plan_jobs(path, methods, budgets, share=not fidelity)
-        base = ["--gguf", str(path), "--split", args.split, *args.extra]
-        if fidelity and not any(a.startswith("--fidelity-refs") for a in args.extra):
-            base += ["--fidelity-refs", str(args.out / REF_DIR)]  # Full KV's references, one per case for all jobs
-        if args.limit is not None:
-            base += ["--limit", str(args.limit)]
-        if args.categories:
-            base += ["--categories", args.categories]
-        args.out.mkdir(parents=True, exist_ok=True)
-        print(f"[study] {len(jobs)} job(s) on {args.jobs} worker(s): " + ", ".join(j.name for j in jobs),
-              file=sys.stderr, flush=True)
-        t0 = time.time()
-        try:
-            results = run_jobs(jobs, base, args.out, args.jobs)
-        except KeyboardInterrupt:
-            print("interrupted: rerun the same command to resume", file=sys.stderr)
-            return 130
-        failed = [j.name for j, rc in results if rc != 0]
-        _, records = load_dirs([args.out / j.name for j in jobs])
-        study = build_study(records)
-    except (PaskError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    path = resolve_model(gguf, model)
+    budget_list = [f"{b:g}" for b in parse_budgets(budgets)]
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    if n_jobs < 1:
+        raise PaskError(f"--jobs must be >= 1, got {n_jobs}")
+    fidelity = "--fidelity" in extra
+    jobs = plan_jobs(path, method_list, budget_list, share=not fidelity)
+    base = ["--gguf", str(path), "--split", split, *extra]
+    if fidelity and not any(a.startswith("--fidelity-refs") for a in extra):
+        base += ["--fidelity-refs", str(out / REF_DIR)]  # Full KV's references, one per case for all jobs
+    if limit is not None:
+        base += ["--limit", str(limit)]
+    if categories:
+        base += ["--categories", categories]
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[study] {len(jobs)} job(s) on {n_jobs} worker(s): " + ", ".join(j.name for j in jobs),
+          file=sys.stderr, flush=True)
+    t0 = time.time()
+    results = run_jobs(jobs, base, out, n_jobs)
+    failed = [j.name for j, rc in results if rc != 0]
+    _, records = load_dirs([out / j.name for j in jobs])
+    study = build_study(records)
     study["wall_seconds"] = round(time.time() - t0, 1)
     study["jobs"] = [{"name": j.name, "methods": list(j.methods), "budgets": list(j.budgets)} for j in jobs]
     table = markdown(study)
-    (args.out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
-    (args.out / "study.md").write_text(table)
-    plot(study, args.out / "study.png")
-    print(table, end="")
-    if failed:
-        print(f"error: job(s) {', '.join(failed)} failed (their log.txt says why); rerun to resume", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    (out / "study.json").write_text(json.dumps(study, indent=1) + "\n")
+    (out / "study.md").write_text(table)
+    plot(study, out / "study.png")
+    return table, failed
