@@ -14,23 +14,18 @@ answer outside the schema) makes the case unusable (``CaseSkipped`` with the rea
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pask_local.classes import StructuralClass
 from pask_local.errors import NativeError, PaskError, SchemaError
 from pask_local.eval.data import Case
+from pask_local.eval.gold import CaseSkipped, gold_call_text, order_like_schema, ordered_calls, plan_gold_text  # noqa: F401  (re-exported)
 from pask_local.eval.prompting import make_task, task_plan
 from pask_local.eval.reference import reference_calls, unsatisfiable
 from pask_local.grammar.state import GrammarState
 from pask_local.llm import Model
-from pask_local.schema.tools import ToolSpec
 from pask_local.tagging.generated import CallTagger
-
-
-class CaseSkipped(PaskError):
-    """A case cannot serve as a teacher-forcing calibration case (the message says why)."""
 
 
 @dataclass
@@ -53,48 +48,6 @@ class TFCase:
             raise PaskError(f"case {self.id}: {len(self.tokens)} tokens but {len(self.classes)} classes")
         if not 0 < self.n_prompt < len(self.tokens):
             raise PaskError(f"case {self.id}: needs a non-empty prompt and continuation")
-
-
-def order_like_schema(value: Any, schema: dict[str, Any]) -> Any:
-    """``value`` with object keys in the grammar's order (required first, then optional, schema order)."""
-    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
-        props = schema["properties"]
-        req = [k for k in props if k in schema.get("required", [])]
-        opt = [k for k in props if k not in req]
-        keys = [k for k in req + opt if k in value] + [k for k in value if k not in props]
-        return {k: order_like_schema(value[k], props.get(k, {})) for k in keys}
-    if isinstance(value, list) and isinstance(schema.get("items"), dict):
-        return [order_like_schema(v, schema["items"]) for v in value]
-    return value
-
-
-def ordered_calls(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> list[dict[str, Any]]:
-    """``calls`` with arguments in the grammar's key order (exactly one unless ``parallel``)."""
-    by_name = {t.name: t for t in tools}
-    out = []
-    for call in calls:
-        tool = by_name.get(call["name"])
-        if tool is None:
-            raise CaseSkipped(f"gold call names an unknown tool {call['name']!r}")
-        out.append({"name": call["name"], "arguments": order_like_schema(call["arguments"], tool.parameters)})
-    if not parallel and len(out) != 1:
-        raise CaseSkipped(f"{len(out)} gold calls for a single-call case")
-    return out
-
-
-def gold_call_text(tools: list[ToolSpec], calls: list[dict[str, Any]], parallel: bool) -> str:
-    """The JSON text our grammar emits for ``calls`` (a list when ``parallel``)."""
-    out = ordered_calls(tools, calls, parallel)
-    return json.dumps(out if parallel else out[0], ensure_ascii=False)
-
-
-def plan_gold_text(plan: Any, calls: list[dict[str, Any]], parallel: bool) -> str:
-    """The text the plan's grammar emits for ``calls``: the call JSON, inside the native call blocks
-    when the plan has a native call format."""
-    if plan.fmt is None:
-        return gold_call_text(plan.tools, calls, parallel)
-    items = ordered_calls(plan.tools, calls, parallel)
-    return plan.fmt.sep.join(plan.fmt.block(json.dumps(c, ensure_ascii=False)) for c in items)
 
 
 def tag_continuation(model: Model, plan: Any, text: str) -> tuple[list[int], list[StructuralClass]]:

@@ -12,7 +12,7 @@ Steps are grouped by the generated token's structural class (``GROUPS``: functio
 key, value, punctuation/whitespace; ``end`` is an end-of-generation step). A case's record holds,
 per group and overall, the step count and the mean KL and agreement; ``pool`` merges records
 token-weighted. The gold call is the BFCL reference answer rendered as the grammar emits it
-(``calibration.cases.gold_call_text``), wrapped in the native call blocks for native prompts.
+(``eval.gold.gold_call_text``), wrapped in the native call blocks for native prompts.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..errors import PaskError
 from ..llm import Model
 from .data import Case
 from .forced import TOP_K, ForcedDecoder, RefStep, StepStat
+from .gold import plan_gold_text
 from .prompting import ENGINE_STYLES, Task, make_task, task_plan
 from .reference import reference_calls, unsatisfiable
 
@@ -118,8 +119,6 @@ def forced_run(engine: Any, task: Task, forced: Sequence[int] | None = None,
 
 def gold_text(plan: Any, task: Task, case: Case) -> str:
     """The case's gold call as the plan's grammar emits it (PaskError when there is none)."""
-    from ..calibration.cases import plan_gold_text
-
     if case.answer is None:
         raise PaskError("no possible answer")
     why = unsatisfiable(task.functions, case.answer)
