@@ -16,8 +16,7 @@ import pytest
 from conftest import REPO, evictions
 
 from pask_local.engine import Engine, EngineConfig, make_method
-from pask_local.engine.core import _Run
-from pask_local.engine.trace import TraceWriter
+from pask_local.engine.run import Run, alone_steps
 from pask_local.errors import PaskError
 from pask_local.llm import Model
 from pask_local.methods import PASK, PrefillMode, registry
@@ -86,24 +85,10 @@ def test_method_names_are_defined_in_one_module():
             assert not re.search(rf"[\"']{re.escape(name)}[\"']", text), f"{name} defined again in {path}"
 
 
-def _drive(run: _Run, prepared):
-    """``_Run.execute`` as a generator: yields after every decode, returns the result."""
+def _drive(run: Run, prepared):
+    """``Engine.execute``'s driver as a generator: yields after every decode, returns the result."""
     run.begin(prepared.plan, prepared.request)
-    toks = run.prompt.tokens
-    for a, b in run.prefill_bounds():
-        run.before_decode()
-        assert run.ctx.decode(toks[a:b], a) == 0
-        run.after_chunk(a, b)
-        yield
-    run.end_prefill()
-    tok = run.next_token(run.ctx.logits())
-    while tok is not None:
-        run.before_decode()
-        assert run.ctx.decode([tok], run.pos) == 0
-        run.after_token()
-        yield
-        tok = run.next_token(run.ctx.logits())
-    return run.result()
+    return (yield from alone_steps(run))
 
 
 def _summary(res, trace) -> tuple:
@@ -132,7 +117,7 @@ def test_one_method_object_serves_interleaved_requests(model, tmp_path, name, na
         for k, (tools, question, budget) in enumerate(jobs):
             engine = Engine(model, shared, EngineConfig(budget=budget, max_tokens=24, native_step=native))
             prepared = engine.prepare([{"role": "user", "content": question}], tools, "required")
-            run = _Run(engine, prepared.plan.prompt, prepared.n_ctx, TraceWriter(tmp_path / f"shared-{k}.jsonl"))
+            run = engine.new_run(prepared, tmp_path / f"shared-{k}.jsonl")
             runs.append(run)
             gens.append(_drive(run, prepared))  # generators: nothing runs until stepped, so both
                                                 # requests are bound before either begins

@@ -170,16 +170,13 @@ def test_engine_native_step_evicts_as_the_python_rule(gemma, tmp_path):
 
 
 def test_step_refuses_priorities_of_the_wrong_length(qwen):
-    from pask_local.engine.core import _Run
-    from pask_local.engine.trace import TraceWriter
-
     engine = Engine(qwen, make_method("pask-tools", qwen), EngineConfig(budget=0.3, max_tokens=8))
     prepared = engine.prepare([{"role": "user", "content": TRIANGLE}], TOOLS, "required")
-    r = _Run(engine, prepared.plan.prompt, prepared.n_ctx, TraceWriter(None))
+    r = engine.new_run(prepared)
     try:
         with pytest.raises(NativeError, match="one priority per prompt position"):
-            r.step.set_priority(np.zeros(prepared.n_prompt - 1))
+            r.evictor.step.set_priority(np.zeros(prepared.n_prompt - 1))
         with pytest.raises(NativeError, match="not finite"):
-            r.step.set_priority(np.full(prepared.n_prompt, np.nan))
+            r.evictor.step.set_priority(np.full(prepared.n_prompt, np.nan))
     finally:
         r.close()

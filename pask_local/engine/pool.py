@@ -37,20 +37,11 @@ import numpy as np
 from ..attention import LAST, SUM, WINDOW, AttentionProbe
 from ..errors import NativeError, PaskError
 from ..kv_layered import LayeredContext, kv_total_bytes
-from ..llm import Context, ContextConfig, Model
+from ..llm import Context, Model
 from ..methods import Method
 from ..model_info import swa_layers
-from .core import (
-    Engine,
-    EngineConfig,
-    EngineResult,
-    Prepared,
-    SlotSpec,
-    TokenHook,
-    kv_type_id,
-    prefills_whole,
-    round_up,
-)
+from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, prefills_whole
+from .kv_stream import context_config, flash_attn_for, layer_cells, round_up
 from .prefix_cache import REUSE_MODES, PrefixCache, Source, Start, common_prefix
 from .request_queue import PoolClosed, QueueFull, RequestCancelled, RequestQueue
 from .step_plan import SlotState, StepPlan, plan_step
@@ -72,17 +63,14 @@ class PoolLayout:
 
 
 def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
-    """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc)."""
-    swa, window = swa_layers(model)
-    full = round_up(slot_len)
+    """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc): the engine's
+    sizing rule (``kv_stream.layer_cells``) for a slot_len-token stream whose every layer holds
+    budget x slot_len (Full KV: all of it, sliding-window layers included)."""
     if method.keeps_all:
-        return [full] * model.n_layer
-    need = min(slot_len, math.ceil(budget * slot_len) + chunk)
-    caps = []
-    for il in range(model.n_layer):
-        c = min(need, window + chunk) if (il in swa and window > 0) else need
-        caps.append(min(round_up(c), full))
-    return caps
+        return layer_cells(model.n_layer, None, slot_len, 0, chunk).cells
+    swa, window = swa_layers(model)
+    return layer_cells(model.n_layer, [math.ceil(budget * slot_len)] * model.n_layer, slot_len, 0, chunk,
+                       swa, window).cells
 
 
 _keys = itertools.count()
@@ -97,7 +85,7 @@ class _Request:
     trace: str | Path | None = None  # a JSONL trace path for this request (as ``pask-local run --trace``)
     future: Future[EngineResult] = field(default_factory=Future)
     key: int = field(default_factory=lambda: next(_keys))
-    run: Any = None            # the engine's run once admitted
+    run: Any = None            # the engine's run once admitted (``run.RunSteps``)
     seq: int = -1
     chunks: list[tuple[int, int]] = field(default_factory=list)
     next_chunk: int = 0
@@ -152,10 +140,9 @@ class SlotPool:
         self.reused_tokens = 0                          # prompt tokens not prefilled thanks to the cache
         self.shared_tokens = 0                          # of those, copied from a running request's stream
         n_batch = layout.slots * chunk
-        flash_attn = flash_attn or layout.kv_type != "f16"  # a quantized V cache needs flash attention
-        kv = kv_type_id(layout.kv_type)
-        cfg = ContextConfig(n_ctx=layout.slots * round_up(layout.slot_len), n_batch=n_batch,
-                            n_seq_max=layout.slots, kv_unified=False, flash_attn=flash_attn, type_k=kv, type_v=kv)
+        flash_attn = flash_attn_for(layout.kv_type, flash_attn)
+        cfg = context_config(layout.slots * round_up(layout.slot_len), n_batch, layout.kv_type, flash_attn,
+                             n_seq_max=layout.slots)
         self.flash_attn = flash_attn
         self.probe: AttentionProbe | None = None
         if layout.full:
@@ -221,9 +208,7 @@ class SlotPool:
     @staticmethod
     def _measure(model: Model, full: bool, caps: list[int], slot_len: int, kv_type: str = "f16") -> int:
         """K/V bytes of one slot, read from a one-slot context of the same kind."""
-        kv = kv_type_id(kv_type)
-        cfg = ContextConfig(n_ctx=round_up(slot_len), n_batch=EngineConfig.cell_align, n_seq_max=1, flash_attn=kv_type != "f16",
-                            type_k=kv, type_v=kv)
+        cfg = context_config(round_up(slot_len), EngineConfig.cell_align, kv_type, flash_attn_for(kv_type))
         ctx: Context = Context(model, cfg) if full else LayeredContext(model, caps, cfg)
         try:
             return kv_total_bytes(ctx) if full else ctx.kv_bytes()
@@ -417,7 +402,7 @@ class SlotPool:
                 self._release(req, exc=RequestCancelled("the request was cancelled while its prompt was read",
                                                         started=True))
             else:
-                req.run.finish = "cancelled"
+                req.run.cancel()
                 self._release(req)
         toks: list[int] = []
         pos: list[int] = []

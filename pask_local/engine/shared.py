@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from ..attention import WINDOW, AttentionProbe, probed_layered_context
 from ..errors import NativeError, PaskError
-from ..llm import ContextConfig
 from ..methods import Method, PrefillMode
-from .core import Engine, EngineResult, Prepared, SlotSpec, round_up
+from .core import Engine, EngineResult, Prepared, SlotSpec, prefills_whole
+from .kv_stream import context_config, round_up
+from .run import Run
 
 
 def shares_prefill(method: Method) -> bool:
@@ -54,16 +55,15 @@ def run_shared(engines: list[Engine], prepared: list[Prepared], traces: list | N
     cfg0 = engines[0].cfg
     probe = AttentionProbe(model.n_layer, cfg0.probe_window) if any(e.method.needs_attention for e in engines) \
         else None
-    cfgc = ContextConfig(n_ctx=cells, n_batch=max(cfg0.chunk, cfg0.probe_window, m), n_seq_max=m,
-                         kv_unified=True)
+    cfgc = context_config(cells, max(cfg0.chunk, cfg0.probe_window, m), n_seq_max=m, kv_unified=True)
     ctx = probed_layered_context(model, [cells] * model.n_layer, cfgc, probe, unified=True, stats=(WINDOW,))
-    runs = []
+    runs: list[Run] = []
     try:
         kv_bytes = ctx.kv_bytes() // m
         for k, (e, p) in enumerate(zip(engines, prepared, strict=True)):
             spec = SlotSpec(ctx, k, [cells] * model.n_layer, kv_bytes, probe=probe)
             runs.append(e.start_in_slot(p, spec, trace=traces[k] if traces else None))
-        lead = next((r for r in runs if r.whole), runs[0])
+        lead = next((r for r in runs if prefills_whole(r.method)), runs[0])
         bounds = lead.prefill_bounds()  # a compressing method's cut: the window lies in the last chunk
         for a, b in bounds:
             if probe is not None:
