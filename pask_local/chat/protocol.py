@@ -13,6 +13,10 @@ from the first token (a named function: a grammar over that tool only; the promp
 tools); ``auto`` lets the model write text, and the call grammar engages when it writes the call
 opener (``Plan.trigger``; the instruction protocol has no opener, so there ``auto`` is
 ``required``); ``none`` is free text with the call opener banned (``Plan.banned``).
+With a format that ``fences`` (Hermes/Qwen ``<tool_call>``: Qwen2.5-Coder often writes a call as a
+```` ```json ```` block instead), ``auto`` also reads a reply that *begins* with a fence opener as
+calls: ``Plan.fenced`` is the grammar that engages then (``schema.gbnf.build_fenced_grammar``).
+A fence after other text stays text.
 Few-shot ``examples`` exist only in the instruction protocol.
 """
 
@@ -26,14 +30,18 @@ from typing import Any
 from ..errors import PaskError
 from ..generate import parse_output, validate_calls
 from ..llm import Model
-from ..schema.gbnf import CallGrammar, build_grammar, build_native_grammar
+from ..schema.gbnf import CallGrammar, build_fenced_grammar, build_grammar, build_native_grammar
 from ..schema.tools import ToolSpec
-from ..tagging.native import CallFormat, call_format, render_native
+from ..tagging.native import FENCE_CLOSE, CallFormat, call_format, fence_match, render_native
 from ..tagging.prompt import Prompt, bos_text, map_spans, render_prompt
 from .messages import Message, ToolChoice
 from .result import AssistantMessage
 
 STYLES = ("auto", "native", "instruction", "chat", "plain")
+# a fenced call block: the opening fence line (```json, or a bare fence before an object), the
+# object (read with raw_decode, so a ``` inside a string does not end it), the closing fence
+_FENCE_OPEN = re.compile(r"\s*```(?:json)?[ \t]*\n\s*(?=\{)")
+_FENCE_END = re.compile(r"\s*" + re.escape(FENCE_CLOSE))
 
 
 @dataclass
@@ -58,6 +66,7 @@ class Plan:
     fmt: CallFormat | None           # the native call format; None: instruction protocol
     trigger: str | None = None       # auto: the grammar engages when the text contains this
     banned: tuple[str, ...] = ()     # token texts never generated (none: the call opener)
+    fenced: CallGrammar | None = None  # auto, a fencing format: the grammar for a reply that starts with a fence
 
     def parse(self, text: str, finish: str, max_tokens: int) -> Parsed:
         if self.fmt is None:
@@ -73,6 +82,8 @@ class Plan:
     def _parse_native(self, text: str, finish: str, max_tokens: int) -> Parsed:
         fmt = self.fmt
         assert fmt is not None
+        if self.fenced is not None and fence_match(text):
+            return self._parse_fenced(text, finish, max_tokens)
         at = text.find(fmt.trigger)
         content = (text if at < 0 else text[:at]).strip() or None
         if self.grammar is None or at < 0:
@@ -89,11 +100,39 @@ class Plan:
                 return Parsed(AssistantMessage(content), [], None, f"a call is not valid JSON: {exc.msg}")
         if not calls:
             return Parsed(AssistantMessage(content), [], None, "no complete call in the output")
+        return self._validated(calls, content)
+
+    def _validated(self, calls: list[Any], content: str | None) -> Parsed:
+        assert self.grammar is not None
         calls, error = validate_calls(calls, self.grammar.tools, True)
         if error is None and not self.parallel and len(calls) != 1:
             error = f"expected one call, got {len(calls)}"
         parsed = calls if self.parallel else calls[0]
         return Parsed(AssistantMessage.from_calls(calls if error is None else [], content), calls, parsed, error)
+
+    def _parse_fenced(self, text: str, finish: str, max_tokens: int) -> Parsed:
+        """A reply that begins with a fence opener: the decoder held it to fenced calls, so it is
+        read as calls (content None), and a broken one is an error, as a broken ``<tool_call>`` is."""
+        def failed(error: str) -> Parsed:
+            return Parsed(AssistantMessage(None), [], None, error)
+
+        if finish == "length":
+            return failed(f"the call did not finish within max_tokens={max_tokens}")
+        calls: list[Any] = []
+        pos, decoder = 0, json.JSONDecoder()
+        while (m := _FENCE_OPEN.match(text, pos)) is not None:
+            try:
+                call, end = decoder.raw_decode(text, m.end())
+            except json.JSONDecodeError as exc:
+                return failed(f"a fenced call is not valid JSON: {exc.msg}")
+            close = _FENCE_END.match(text, end)
+            if close is None:
+                return failed(f"a fenced call is not closed by {FENCE_CLOSE}")
+            calls.append(call)
+            pos = close.end()
+        if not calls or text[pos:].strip():
+            return failed("text after the fenced calls" if calls else "no complete call in the output")
+        return self._validated(calls, None)
 
 
 def _grammar_tools(tools: list[ToolSpec], choice: ToolChoice) -> list[ToolSpec]:
@@ -137,4 +176,7 @@ def plan(model: Model, tools: list[ToolSpec], messages: list[Message], choice: T
     if choice.mode == "none":
         return Plan(prompt, tools, choice, parallel, None, fmt, banned=(fmt.trigger,))
     grammar = build_native_grammar(gtools, fmt.open, fmt.close, fmt.sep, parallel, max_string, max_calls)
-    return Plan(prompt, tools, choice, parallel, grammar, fmt, trigger=fmt.trigger if choice.mode == "auto" else None)
+    if choice.mode != "auto":
+        return Plan(prompt, tools, choice, parallel, grammar, fmt)
+    fenced = build_fenced_grammar(gtools, parallel, max_string, max_calls) if fmt.fences else None
+    return Plan(prompt, tools, choice, parallel, grammar, fmt, trigger=fmt.trigger, fenced=fenced)

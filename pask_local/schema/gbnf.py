@@ -177,19 +177,26 @@ class _Builder:
         self.add(kv, f'{self.str_body} ": " {inner}', role)
         return rule
 
-    def call(self, i: int, tool: ToolSpec) -> str:
+    def call(self, i: int, tool: ToolSpec, ws: str | None = None) -> str:
         name_rule = self.add(f"t{i}-name", lit(_jtext(tool.name)), Role("name", i, (), True))
         args = self.value(tool.parameters, i, (), True)
         self.roles.pop(args, None)  # the arguments object itself is structure, not a value
-        return self.add(f"t{i}-call", f'{name_rule} ", \\"arguments\\": " {args}')
+        sep = '", "' if ws is None else f'"," {ws}'
+        return self.add(f"t{i}-call", f'{name_rule} {sep} "\\"arguments\\": " {args}')
 
 
-def _with_calls(tools: list[ToolSpec], max_string: int | None, max_calls: int | None) -> _Builder:
+def _with_calls(tools: list[ToolSpec], max_string: int | None, max_calls: int | None,
+                ws: str | None = None) -> _Builder:
+    """The per-tool call rules and ``call``; ``ws``: a whitespace rule allowed around the call
+    object's own keys (the fenced form, where the model pretty-prints the outer object)."""
     if max_calls is not None and max_calls < 1:
         raise ValueError("max_calls must be >= 1")
     b = _Builder(tools, max_string)
-    calls = [b.call(i, t) for i, t in enumerate(tools)]
-    b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
+    calls = [b.call(i, t, ws) for i, t in enumerate(tools)]
+    if ws is None:
+        b.add("call", '"{\\"name\\": " (' + " | ".join(calls) + ') "}"')
+    else:
+        b.add("call", f'"{{" {ws} "\\"name\\": " (' + " | ".join(calls) + f') {ws} "}}"')
     b.add("char", CHAR_RULE.split("::=", 1)[1].strip())
     return b
 
@@ -220,3 +227,18 @@ def build_native_grammar(tools: list[ToolSpec], open_text: str, close_text: str,
     b.add("block", f"{lit(open_text)} call {lit(close_text)}")
     more = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
     return _grammar(b, f"block ({lit(sep)} block){more}" if parallel else "block", tools, parallel)
+
+
+def build_fenced_grammar(tools: list[ToolSpec], parallel: bool = False, max_string: int | None = None,
+                         max_calls: int | None = None) -> CallGrammar:
+    """Calls as markdown blocks (```` ```json\n{call}\n``` ````, or a bare ```` ``` ```` fence), the
+    form Qwen2.5-Coder often writes instead of ``<tool_call>``: one block, or with ``parallel`` one or
+    more separated by whitespace. The call is ``build_grammar``'s object, except that the outer
+    object may be pretty-printed (up to 8 spaces, tabs or newlines after ``{``, after the comma and
+    before ``}``): the model starts it that way before the grammar can steer it."""
+    b = _with_calls(tools, max_string, max_calls, ws="fws")
+    b.add("fws", "[ \\t\\n]{0,8}")
+    b.add("fblock", f'{lit("```")} {lit("json")}? {lit(chr(10))} call {lit(chr(10) + "```")}')
+    more = "*" if max_calls is None else f"{{0,{max_calls - 1}}}"
+    return _grammar(b, f"fblock ([ \\t\\n]{{1,4}} fblock){more} [ \\t\\n]{{0,2}}" if parallel else "fblock",
+                    tools, parallel)

@@ -10,7 +10,10 @@ text before the first call opener, stripped (``chat.protocol.Plan.parse``).
 
 Two layouts, as ``chat.protocol`` plans them: a model's own protocol (``opener``, e.g.
 ``<tool_call>``: text, then ``opener {"name": ..., "arguments": {...}} closer`` blocks) and the
-instruction protocol (no opener: the whole output is one call object, or a list of them).
+instruction protocol (no opener: the whole output is one call object, or a list of them). A format
+that ``fences`` (``tagging.native``) has a second opener: a reply that *begins* with
+```` ```json ```` (or a bare fence before ``{``) is fenced calls, streamed as tool-call deltas with
+no content, as ``Plan.parse`` reads it; a fence after text is content.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..chat.result import new_call_id
+from ..tagging.native import fence_match, fenced_format
 
 _WS = " \t\r\n"
 
@@ -121,13 +125,18 @@ class ReplyStreamer:
     """Turns growing output text into OpenAI deltas (module docstring).
 
     ``calls``: the reply may hold calls (tool_choice is not none); ``opener`` / ``closer``: the
-    model's own call markers, or None for the instruction protocol (the output is call JSON).
+    model's own call markers, or None for the instruction protocol (the output is call JSON);
+    ``fences``: a reply that begins with a markdown fence is calls (None: as the known format
+    with this opener says; only ``auto`` can produce one, the other choices force the opener).
     """
 
-    def __init__(self, calls: bool, opener: str | None, closer: str | None = None) -> None:
+    def __init__(self, calls: bool, opener: str | None, closer: str | None = None,
+                 fences: bool | None = None) -> None:
         self.calls = calls
         self.opener = opener
         self.closer = closer
+        self.fence_open = calls and (fenced_format(opener) if fences is None else fences)
+        self.fenced = False        # the reply is fenced calls
         self.mode = "text" if (not calls or opener is not None) else "seek"
         self.started = False       # any non-space content emitted
         self.pending = ""          # text held back (trailing space, a possible opener prefix)
@@ -185,6 +194,18 @@ class ReplyStreamer:
         self.pending += text[i:]
         if not self.started:
             self.pending = self.pending.lstrip(_WS)
+        if self.fence_open:
+            fence = fence_match(self.pending)
+            if fence is None:
+                return len(text)   # whitespace or a possible fence opener: wait
+            self.fence_open = False
+            if fence:
+                rest, self.pending = self.pending, ""
+                self.fenced = True
+                self.mode = "call"  # the call scanner skips the fence line to the object's "{"
+                self.scanner = None
+                yield from self._feed(rest)
+                return len(text)
         if self.calls and self.opener:
             at = self.pending.find(self.opener)
             if at >= 0:
@@ -249,7 +270,8 @@ class ReplyStreamer:
             yield {"tool_calls": [{"index": self.index, "function": {"arguments": frag}}]}
         if sc.done:
             self.scanner = None
-            self.mode = "between" if self.opener is not None else "seek"
+            # fenced calls: only closing and opening fences lie between them, so seek the next "{"
+            self.mode = "between" if self.opener is not None and not self.fenced else "seek"
             self.gap = ""
         return i
 

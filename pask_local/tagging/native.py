@@ -36,12 +36,19 @@ LAYOUTS: tuple[tuple[bool, int | None], ...] = tuple((env, ind) for env in (True
 
 @dataclass(frozen=True)
 class CallFormat:
-    """How the model writes a call: ``open`` + call JSON + ``close``, calls joined by ``sep``."""
+    """How the model writes a call: ``open`` + call JSON + ``close``, calls joined by ``sep``.
+
+    ``fences``: models of this format are known to write a call as a markdown block instead
+    (```` ```json\n{"name": ..., "arguments": ...}\n``` ````, Qwen2.5-Coder's habit, which
+    llama.cpp's Hermes/Qwen parser also accepts); under ``tool_choice`` auto a reply that *begins*
+    with a fence opener (``FENCE_OPENERS``) is read as fenced calls (``fence_match``).
+    """
 
     name: str
     open: str
     close: str
     sep: str
+    fences: bool = False
 
     @property
     def trigger(self) -> str:
@@ -52,7 +59,27 @@ class CallFormat:
         return self.open + call_json + self.close
 
 
-KNOWN_FORMATS: tuple[CallFormat, ...] = (CallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n"),)
+KNOWN_FORMATS: tuple[CallFormat, ...] = (CallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", fences=True),)
+# A fenced call starts with one of these (after optional whitespace): "```json", or a bare fence
+# whose next line opens an object. A bare "```" followed by anything else is a code block, not a call.
+FENCE_OPENERS = ("```json", "```\n{")
+FENCE_CLOSE = "```"
+_LEAD_WS = " \t\r\n"
+
+
+def fence_match(text: str) -> bool | None:
+    """Whether a reply beginning ``text`` is a fenced call: True (it starts with a fence opener after
+    optional whitespace), None (undecided: it is still whitespace or a proper prefix of an opener),
+    False (it is not; a fence after other text never is)."""
+    head = text.lstrip(_LEAD_WS)
+    if any(head.startswith(o) for o in FENCE_OPENERS):
+        return True
+    return None if any(o.startswith(head) for o in FENCE_OPENERS) else False
+
+
+def fenced_format(opener: str | None) -> bool:
+    """Whether the known format whose call opener is ``opener`` accepts fenced calls."""
+    return any(f.fences and f.trigger == opener for f in KNOWN_FORMATS)
 _PROBE = load_tools([{"name": "pask_probe_fn", "description": "probe",
                       "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}])
 
