@@ -124,9 +124,9 @@ def run_command(
 
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=None if seed is None else seed % 2**64)
 
-    from .chat.messages import parse_messages, parse_tool_choice, user_message
     from .engine import Engine, EngineConfig, make_method
     from .llm import Model
+    from .messages import parse_messages, parse_tool_choice, user_message
     from .models import resolve_model
     from .schema.tools import load_tools, read_tools
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pask_local.chat.messages import MessageError, ToolChoice, parse_messages, parse_tool_choice
 from pask_local.chat.result import AssistantMessage
 from pask_local.errors import PaskError
+from pask_local.messages import MessageError, ToolChoice, parse_messages, parse_tool_choice
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "Oslo"}'}}
 CONVO = [

@@ -12,11 +12,11 @@ import pytest
 from conftest import REPO
 
 from pask_local.chat.decoder import Decoder
-from pask_local.chat.messages import user_message
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.engine.pool import RequestCancelled, SlotPool
 from pask_local.errors import PaskError
 from pask_local.llm import Context, ContextConfig, Model
+from pask_local.messages import user_message
 from pask_local.schema.tools import read_tools
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from test_pool import WEATHER, ask, engine
 
-from pask_local.chat.messages import user_message
 from pask_local.engine import make_method
 from pask_local.engine.pool import RequestCancelled, SlotPool
 from pask_local.llm import Context, ContextConfig, Model
+from pask_local.messages import user_message
 
 pytestmark = pytest.mark.slow
 

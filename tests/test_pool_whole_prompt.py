@@ -14,10 +14,10 @@ import pytest
 from conftest import compression
 from test_pool import CITIES, WEATHER, ask, engine, same_length_cities
 
-from pask_local.chat.messages import user_message
 from pask_local.engine import make_method
 from pask_local.engine.pool import SlotPool
 from pask_local.llm import Model
+from pask_local.messages import user_message
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from test_protocol_native import CONVO, TOOLS, TOOLS_TEMPLATE, _model
 from test_schema_tools import _grammar_takes
 
 from pask_local.chat.decoder import Decoder
-from pask_local.chat.messages import ToolChoice, parse_messages
 from pask_local.chat.protocol import plan
 from pask_local.classes import StructuralClass as C
+from pask_local.messages import ToolChoice, parse_messages
 from pask_local.schema.gbnf import build_fenced_grammar
 from pask_local.server.streaming import ReplyStreamer
 from pask_local.tagging.native import call_format, fence_match

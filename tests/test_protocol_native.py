@@ -17,13 +17,13 @@ from grammar_helpers import gemma
 from pask_local.calibration.synthetic import write_synthetic_gguf
 
 from pask_local.chat.decoder import Decoder
-from pask_local.chat.messages import ToolChoice, parse_messages, user_message
 from pask_local.chat.protocol import plan
 from pask_local.classes import StructuralClass as C
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.errors import PaskError
 from pask_local.grammar.state import GrammarState
 from pask_local.llm import Model
+from pask_local.messages import ToolChoice, parse_messages, user_message
 from pask_local.schema.gbnf import build_native_grammar
 from pask_local.schema.tools import load_tools
 from pask_local.tagging.generated import CallTagger

@@ -15,13 +15,13 @@ import pytest
 from test_protocol_native import CONVO, TOOLS, classes_of
 
 from pask_local.chat.decoder import Decoder
-from pask_local.chat.messages import ToolChoice, parse_messages
 from pask_local.chat.protocol import Plan, plan
 from pask_local.classes import StructuralClass as C
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.generate import validate_calls
 from pask_local.grammar.sampling import Sampling
 from pask_local.llm import Model
+from pask_local.messages import ToolChoice, parse_messages
 from pask_local.schema.tools import load_tools
 from pask_local.tagging.native import fence_match, openai_tool, template_message
 from pask_local.tagging.template import render_template

@@ -12,11 +12,11 @@ import math
 import pytest
 from conftest import REPO
 
-from pask_local.chat.messages import user_message
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.engine.kv_stream import layer_cells, round_up
 from pask_local.engine.pool import SlotPool
 from pask_local.llm import Model
+from pask_local.messages import user_message
 from pask_local.model_info import swa_layers
 from pask_local.schema.tools import read_tools
 

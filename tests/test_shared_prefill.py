@@ -13,11 +13,11 @@ import pytest
 from conftest import REPO, compression
 from test_pool import Recorder
 
-from pask_local.chat.messages import user_message
 from pask_local.engine import Engine, EngineConfig, make_method
 from pask_local.engine.shared import run_shared, shares_prefill
 from pask_local.errors import PaskError
 from pask_local.llm import Model
+from pask_local.messages import user_message
 from pask_local.schema.tools import read_tools
 
 pytestmark = pytest.mark.slow

@@ -30,11 +30,11 @@ from typing import Any
 from ..errors import PaskError
 from ..generate import parse_output, validate_calls
 from ..llm import Model
+from ..messages import Message, ToolChoice
 from ..schema.gbnf import CallGrammar, build_fenced_grammar, build_grammar, build_native_grammar
 from ..schema.tools import ToolSpec
 from ..tagging.native import FENCE_CLOSE, CallFormat, call_format, fence_match, render_native
 from ..tagging.prompt import Prompt, bos_text, map_spans, render_prompt
-from .messages import Message, ToolChoice
 from .result import AssistantMessage
 
 STYLES = ("auto", "native", "instruction", "chat", "plain")

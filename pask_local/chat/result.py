@@ -6,7 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import ToolCall
+from ..messages import ToolCall
 
 
 def new_call_id() -> str:

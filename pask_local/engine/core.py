@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from ..chat.decoder import Decoder
-from ..chat.messages import Message, MessageError, ToolChoice, parse_messages, parse_tool_choice, user_message
 from ..chat.protocol import Plan, plan
 from ..errors import ContextLengthError, PaskError
 from ..grammar.sampling import GREEDY, Sampling
 from ..llm import Model
+from ..messages import Message, MessageError, ToolChoice, parse_messages, parse_tool_choice, user_message
 from ..methods import Method, PrefillMode
 from ..model_info import swa_layers
 from ..schema.tools import as_tools

@@ -6,7 +6,7 @@ Gorilla/BFCL schema with ``"type": "dict"``). Possible answers are ``{"id", "gro
 either in the same objects or in a second file. ``Case`` is the harness's view of one entry.
 
 A turn may be a whole conversation in OpenAI's message format, as ``pask-local run --messages``
-reads it (``chat.messages.parse_messages``): assistant messages with ``tool_calls`` and ``tool``
+reads it (``messages.parse_messages``): assistant messages with ``tool_calls`` and ``tool``
 results naming them by ``tool_call_id``. It is kept whole and the answer is the next call(s).
 """
 
@@ -18,8 +18,8 @@ from importlib import util as importlib_util
 from pathlib import Path
 from typing import Any
 
-from ..chat.messages import Message, MessageError, parse_messages
 from ..errors import PaskError
+from ..messages import Message, MessageError, parse_messages
 
 # Our category names (BFCL v4 naming) in the order tables list them.
 CATEGORIES: tuple[str, ...] = (

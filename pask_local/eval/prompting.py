@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.messages import Message, ToolChoice, user_message
 from ..chat.protocol import Plan, plan
 from ..errors import PaskError
 from ..llm import Model
+from ..messages import Message, ToolChoice, user_message
 from ..schema.tools import as_tools
 from .data import Case, load_bundled
 from .reference import reference_calls, unsatisfiable

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.messages import Message, ToolChoice, parse_messages, parse_tool_choice
 from ..errors import PaskError
 from ..grammar.sampling import GREEDY, MAX_TEMPERATURE, Sampling
+from ..messages import Message, ToolChoice, parse_messages, parse_tool_choice
 from ..methods.registry import DEFAULT_METHOD, METHOD_NAMES  # the one list of method names
 from ..schema.tools import ToolSpec, load_tools
 

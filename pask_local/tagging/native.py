@@ -23,9 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat.messages import Message
 from ..classes import StructuralClass as C
 from ..errors import PaskError
+from ..messages import Message
 from ..schema.tools import ToolSpec, load_tools
 from .prompt import Span, function_object, tool_spans
 from .template import ChatTemplateError, render_template

@@ -20,11 +20,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..chat.messages import Message
 from ..classes import StructuralClass as C
 from ..classes import more_protective
 from ..errors import PaskError
 from ..llm import Model
+from ..messages import Message
 from ..schema.tools import ToolSpec
 from .template import render_template
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PaskError
+from .errors import PaskError
 
 ROLES = ("system", "user", "assistant", "tool")
 CHOICES = ("auto", "required", "none")
