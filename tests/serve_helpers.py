@@ -1,7 +1,9 @@
-"""A real server for tests: the app of a ``Server`` under uvicorn in a thread, on a free port of 127.0.0.1."""
+"""For the server's tests: a real server (a ``Server``'s app under uvicorn in a thread, on a free port of
+127.0.0.1), and a streamer's deltas gathered back into content and calls."""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -34,3 +36,24 @@ def serve_in_thread(server: Any) -> Iterator[str]:
         userver.should_exit = True
         thread.join(15)
         sock.close()
+
+
+def deltas_of(streamer: Any, data: bytes, rng: random.Random | None, most: int) -> tuple[str | None, list[tuple[str, str]]]:
+    """Feed ``data`` to a ``ReplyStreamer`` in pieces of 1..``most`` bytes (``rng`` None: byte by byte, even
+    inside UTF-8 characters); the streamed content and the (name, arguments text) of each call."""
+    deltas, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, most) if rng is not None else 1
+        deltas += streamer.feed_bytes(data[i:i + n])
+        i += n
+    deltas += streamer.finish()
+    content = "".join(d.get("content", "") for d in deltas) or None
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            if "id" in tc:
+                assert tc["function"]["arguments"] == "" and tc["index"] not in calls
+                calls[tc["index"]] = [tc["function"]["name"], ""]
+            else:
+                calls[tc["index"]][1] += tc["function"]["arguments"]
+    return content, [(n, a) for n, a in (calls[k] for k in sorted(calls))]

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from serve_helpers import deltas_of
 from test_protocol_native import CONVO, TOOLS, TOOLS_TEMPLATE, _model
 from test_schema_tools import _grammar_takes
 
@@ -138,22 +139,7 @@ def _stream(text: str, seed: int, fences: bool | None = None) -> tuple[str | Non
     import random
 
     st = ReplyStreamer(True, "<tool_call>", "</tool_call>", fences)
-    deltas, data, i, rng = [], text.encode(), 0, random.Random(seed)
-    while i < len(data):
-        n = rng.randint(1, 4) if seed else 1              # seed 0: byte by byte
-        deltas += st.feed_bytes(data[i:i + n])
-        i += n
-    deltas += st.finish()
-    content = "".join(d.get("content", "") for d in deltas) or None
-    out: dict[int, list[str]] = {}
-    for d in deltas:
-        for tc in d.get("tool_calls", []):
-            if "id" in tc:
-                assert tc["function"]["arguments"] == "" and tc["index"] not in out
-                out[tc["index"]] = [tc["function"]["name"], ""]
-            else:
-                out[tc["index"]][1] += tc["function"]["arguments"]
-    return content, [(n, a) for n, a in (out[k] for k in sorted(out))]
+    return deltas_of(st, text.encode(), random.Random(seed) if seed else None, 4)  # seed 0: byte by byte
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -27,6 +27,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import REPO
+from serve_helpers import deltas_of, serve_in_thread
 from test_cli_errors import assert_one_line_error
 
 from pask_local.engine.factory import DEFAULT_METHOD
@@ -68,32 +69,22 @@ def server(request, qwen05_path) -> Iterator[str]:
     """The real app on a free port of 127.0.0.1, served by uvicorn in a thread; stops at module end.
 
     Twice: continuous batching in one persistent context (the default), and a context per request."""
-    import uvicorn
-
     from pask_local.llm import Model
-    from pask_local.server.app import Server, ServerConfig, create_app
+    from pask_local.server.app import Server, ServerConfig
 
     old = os.environ.get("PASK_THREADS")
     os.environ["PASK_THREADS"] = old or "1"  # the test machine runs other jobs: one thread per llama context
     model = Model(qwen05_path)
     srv = Server(model, ServerConfig(MODEL_ID, Defaults(max_tokens=64), slots=SLOTS, queue_size=QUEUE,
                                      max_context=2048, batch=request.param == "batched"))
-    sock = _free_socket()
-    userver = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
-    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not userver.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    userver.should_exit = True
-    thread.join(15)
-    sock.close()
-    srv.close()
-    model.close()
-    if old is None:
-        del os.environ["PASK_THREADS"]
+    try:
+        with serve_in_thread(srv) as url:
+            yield url
+    finally:
+        srv.close()
+        model.close()
+        if old is None:
+            del os.environ["PASK_THREADS"]
 
 
 @pytest.fixture(scope="module")
@@ -473,22 +464,8 @@ def _stream(text: str, calls: bool, opener: str | None, seed: int) -> tuple[str 
     import random
 
     st = ReplyStreamer(calls, opener, "</tool_call>" if opener else None)
-    deltas, data, i, rng = [], text.encode(), 0, random.Random(seed)
-    while i < len(data):  # random token boundaries, even inside UTF-8 characters
-        n = rng.randint(1, 5)
-        deltas += st.feed_bytes(data[i:i + n])
-        i += n
-    deltas += st.finish()
-    content = "".join(d.get("content", "") for d in deltas) or None
-    out: dict[int, list[Any]] = {}
-    for d in deltas:
-        for tc in d.get("tool_calls", []):
-            if "id" in tc:
-                assert tc["function"]["arguments"] == "" and tc["index"] not in out
-                out[tc["index"]] = [tc["function"]["name"], ""]
-            else:
-                out[tc["index"]][1] += tc["function"]["arguments"]
-    return content, [(n, json.loads(a)) for n, a in (out[i] for i in sorted(out))]
+    content, out = deltas_of(st, text.encode(), random.Random(seed), 5)
+    return content, [(n, json.loads(a)) for n, a in out]
 
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Os\\"lo {x} ø", "n": [1, {"a": 2}]}}\n</tool_call>'
