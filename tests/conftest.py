@@ -54,6 +54,26 @@ def qwen15_path() -> Path:
     return named_model_path("qwen2.5-coder-1.5b")
 
 
+@pytest.fixture(scope="session")
+def gemma_model(gemma_path):
+    """Gemma 3 270M loaded once for the whole session (contexts are made per test; nothing mutates a Model)."""
+    from pask_local.llm import Model
+
+    m = Model(gemma_path)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def qwen05_model(qwen05_path):
+    """Qwen2.5-Coder-0.5B-Instruct loaded once for the whole session."""
+    from pask_local.llm import Model
+
+    m = Model(qwen05_path)
+    yield m
+    m.close()
+
+
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the installed ``pask-local`` console script as a user would."""
     exe = Path(sys.executable).parent / "pask-local"

@@ -12,16 +12,14 @@ import pytest
 
 from pask_local.attention import LAST, SUM, WINDOW, AttentionProbe, probed_layered_context
 from pask_local.errors import NativeError
-from pask_local.llm import ContextConfig, Model
+from pask_local.llm import ContextConfig
 
 CHUNK, WIN = 24, 8
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path):
-    m = Model(gemma_path)
-    yield m
-    m.close()
+def model(gemma_model):
+    return gemma_model
 
 
 def run_ops(model, probe, in_graph: bool, flash_attn: bool = False, stats=(SUM, WINDOW, LAST)):

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen05_path) -> Model:
-    return Model(qwen05_path)
+def qwen(qwen05_model) -> Model:
+    return qwen05_model
 
 
 def test_native_case_is_the_eval_prompt_and_the_native_call(qwen) -> None:

@@ -24,8 +24,8 @@ EXAMPLES = {
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def run(model, method, budget, example="get_weather.json", trace=None, max_tokens=256):

@@ -102,10 +102,8 @@ def test_report_columns_and_resume_rule(tmp_path):
 
 # ------------------------------------------------------------------ real model
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    m = Model(gemma_path)
-    yield m
-    m.close()
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def _n_prompt(model, case) -> int:

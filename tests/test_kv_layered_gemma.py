@@ -23,8 +23,8 @@ ITEMS = ["apples", "copper wire", "paper", "glass jars", "wool", "bolts", "rice"
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma_path) -> Model:
-    return Model(gemma_path)
+def gemma(gemma_model) -> Model:
+    return gemma_model
 
 
 def _prompt(model: Model) -> list[int]:

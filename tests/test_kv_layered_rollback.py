@@ -28,8 +28,8 @@ _ABORT = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def _set_abort(ctx: Context, cb) -> None:

@@ -26,8 +26,8 @@ QUESTION = "What is the weather like in Paris today? Answer in celsius."
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def run(model, method, budget, kv_type, log=None):

@@ -48,8 +48,8 @@ QUESTIONS = ("What is the area of a triangle with base 4 and height 6?",
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def test_every_registered_name_builds_as_its_entry_says(model):

@@ -173,8 +173,8 @@ EXAMPLE = ("get_weather.json", "What is the weather like in Paris today? Answer 
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def run(model, method, budget, tmp_path, tag, **cfg):

@@ -26,8 +26,8 @@ CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "London", "Vienna", "Osl
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 class Recorder(Decoder):

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def submit_all(model, method, budget, questions, slots, cancelled=None):

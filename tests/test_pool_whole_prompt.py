@@ -25,8 +25,8 @@ SLOT_LEN = 1024  # a slot's cells (0.33 x 1024 + a chunk, rounded to 512) hold t
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def alone(model, method, question, trace):

@@ -25,8 +25,8 @@ QUESTION = "What is the weather like in Paris today? Answer in celsius."
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def _old_engine_cells(caps, n_prompt, max_tokens, chunk, probe_window, swa, window, whole, align=256):

@@ -57,8 +57,8 @@ def test_constrained_top_p_draws_only_the_nucleus_of_the_grammar_filtered_distri
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def _calls(model, sampling: Sampling, n: int = 1) -> list[str]:

@@ -28,8 +28,8 @@ METHODS = [("full", 1.0), ("snapkv", 0.33), ("pyramidkv", 0.33), ("pask-attn", 0
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path) -> Model:
-    return Model(gemma_path)
+def model(gemma_model) -> Model:
+    return gemma_model
 
 
 def engine(model, method, budget, log):

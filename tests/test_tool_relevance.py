@@ -51,13 +51,13 @@ _DETAIL = [class_index(c) for c in (C.DESCRIPTION, C.PARAM_NAME, C.PARAM_TYPE)]
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen05_path) -> Model:
-    return Model(qwen05_path)
+def qwen(qwen05_model) -> Model:
+    return qwen05_model
 
 
 @pytest.fixture(scope="module")
-def gemma(gemma_path) -> Model:
-    return Model(gemma_path)
+def gemma(gemma_model) -> Model:
+    return gemma_model
 
 
 def tagged(model: Model, query: str | list, tools=TOOLS):
