@@ -106,8 +106,8 @@ def methods_command() -> None:
 
     table = Table(title="KV persistence methods (--method NAME)")
     for col in ("name", "prefill mode", "query", "policy"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("what it keeps")
+        table.add_column(col, overflow="fold")  # wrap, never truncate, in a narrow terminal
+    table.add_column("what it keeps", overflow="fold", ratio=2)
     for e in ENTRIES:
         name = f"{e.name} (default)" if e.name == DEFAULT_METHOD else e.name
         table.add_row(name, e.prefill_mode.value, "aware" if e.query_aware else "agnostic", e.policy_label,
