@@ -234,14 +234,14 @@ def test_requests_the_pool_cannot_run_are_refused_before_they_wait(model):
         pool.close()
 
 
-def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model):
-    """Full KV pool, one slot: B after A reuses their common prefix; upstream, doing what the pool
-    does (A's prompt in chunks, A's tokens, drop from the common prefix on, B's rest in chunks),
-    gives B's first logits bit for bit."""
+def _b_after_a(model, reuse: str):
+    """A Full KV pool of one slot with ``reuse``: request A (Paris), then B (Berlin) whose prompt shares
+    A's beginning; (a, b, A's prepared, B's prepared, B's logits log, the closed pool)."""
     lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 512, slots=1)
-    pool = SlotPool(model, lay, reuse="any")
+    pool = SlotPool(model, lay, reuse=reuse)
+    log: list = []
     try:
-        ea, log = engine(model, "full", 1.0), []
+        ea = engine(model, "full", 1.0)
         pa = ea.prepare(user_message(ask("Paris")), WEATHER, "required")
         a = pool.execute(ea, pa)
         eb = engine(model, "full", 1.0, log)
@@ -249,6 +249,14 @@ def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model)
         b = pool.execute(eb, pb)
     finally:
         pool.close()
+    return a, b, pa, pb, log, pool
+
+
+def test_a_cached_prefix_is_what_upstream_holds_after_the_same_operations(model):
+    """Full KV pool, one slot: B after A reuses their common prefix; upstream, doing what the pool
+    does (A's prompt in chunks, A's tokens, drop from the common prefix on, B's rest in chunks),
+    gives B's first logits bit for bit."""
+    a, b, pa, pb, log, pool = _b_after_a(model, "any")
     ta, tb = pa.plan.prompt.tokens, pb.plan.prompt.tokens
     r = b.stats["prefix_reused"]
     assert 32 <= r < len(tb) and ta[:r] == tb[:r] and ta[r] != tb[r]
@@ -308,18 +316,7 @@ def test_exact_reuse_equals_a_fresh_prefill(model):
     """Full KV pool, one slot, the default (exact) reuse: B after A starts from their common prefix cut
     to a multiple of the chunk, and B's first logits equal upstream's fresh prefill of B alone (its
     prompt in chunks of 64 from 0), bit for bit."""
-    lay = SlotPool.layout_for(model, make_method("full", model), 1.0, 512, slots=1)
-    pool = SlotPool(model, lay)
-    try:
-        ea = engine(model, "full", 1.0)
-        pa = ea.prepare(user_message(ask("Paris")), WEATHER, "required")
-        pool.execute(ea, pa)
-        log: list = []
-        eb = engine(model, "full", 1.0, log)
-        pb = eb.prepare(user_message(ask("Berlin") + " Thanks."), WEATHER, "required")
-        b = pool.execute(eb, pb)
-    finally:
-        pool.close()
+    _, b, pa, pb, log, _ = _b_after_a(model, "exact")
     ta, tb = pa.plan.prompt.tokens, pb.plan.prompt.tokens
     r = b.stats["prefix_reused"]
     shared = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
