@@ -139,12 +139,14 @@ def _register_optional_commands() -> None:
     from .calibration.cli import calibrate_command
     from .eval.cli import eval_command
     from .eval.multiturn_cli import multiturn_command
+    from .prefix.cli import compress_command
     from .run_cli import run_command
     from .server.cli import serve_command
     from .study.cli import study_app
     from .tui.cli import tui_command
 
     app.command("run")(run_command)
+    app.command("compress")(compress_command)
     app.command("eval")(eval_command)
     app.command("eval-multiturn")(multiturn_command)
     app.command("calibrate")(calibrate_command)

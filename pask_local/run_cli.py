@@ -61,7 +61,9 @@ def run_command(
                                              show_default=False)] = None,
     model: ModelOption = None,
     method: Annotated[str | None, typer.Option("--method", help=METHOD_HELP, show_default=False)] = None,
-    budget: Annotated[float, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1].")] = 0.33,
+    budget: Annotated[float | None, typer.Option("--budget", help="Fraction of full-KV entries kept, in (0, 1]. "
+                                                 "Default: 0.33 (with --prefix: the file's).",
+                                                 show_default=False)] = None,
     policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (pask, pask-attn, pask-hybrid, pask-tools; "
                                                 "without --method it runs as pask). Default: the model's shipped "
                                                 "policy.", show_default=False)] = None,
@@ -97,6 +99,10 @@ def run_command(
     flash_attn: FlashAttnOption = False,
     hysteresis: HysteresisOption = 0.02,
     kv_type: KvTypeOption = "f16",
+    prefix: Annotated[Path | None, typer.Option("--prefix", help="A prefix file from `pask-local compress`: its "
+                                                "compressed K/V is restored and only what follows it is "
+                                                "prefilled (its method and budget, unless given).",
+                                                show_default=False)] = None,
 ) -> None:
     """Generate a schema-valid function call for REQUEST under a KV budget.
 
@@ -117,6 +123,18 @@ def run_command(
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     from .engine.factory import default_run_method
 
+    loaded = header = blob = None
+    if prefix is not None:  # the file's method and budget unless given (checked against the file below)
+        from .llm import Model
+        from .models import resolve_model
+        from .prefix.build import open_file
+
+        loaded = Model(resolve_model(gguf, model), n_gpu_layers=ngl)
+        header, blob = open_file(prefix, loaded)
+        method = method or header.method
+        if budget is None:
+            budget = header.budget if header.budget is not None else 1.0
+    budget = 0.33 if budget is None else budget
     method = default_run_method(method, policy)
     check_generation_options(method, budget, max_tokens)
     check_device_options(ngl, hysteresis, kv_type)
@@ -136,7 +154,7 @@ def run_command(
     msgs = parse_messages(convo) if convo is not None else user_message(request or "")
     default_choice = "auto" if convo is not None else "required"
     choice = parse_tool_choice(_tool_choice(tool_choice) or choice_raw or default_choice, [t.name for t in tools])
-    model = Model(resolve_model(gguf, model), n_gpu_layers=ngl)
+    model = loaded or Model(resolve_model(gguf, model), n_gpu_layers=ngl)
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
                     EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style],
@@ -146,6 +164,14 @@ def run_command(
 
         result = run_tui(lambda p: engine.chat(msgs, tools, choice, parallel=parallel, trace=p, sampling=sampling),
                          trace)
+    elif prefix is not None:
+        from .prefix.build import check_prompt, pin, run_from_prefix
+
+        pinned = pin(prefix, header, blob, model, engine.method.name,  # type: ignore[arg-type]
+                     None if engine.method.keeps_all else budget, kv_type, tools)
+        prepared = engine.prepare(msgs, tools, choice, parallel=parallel, sampling=sampling)
+        check_prompt(header, prepared.plan.prompt.tokens, prefix.name)  # type: ignore[arg-type]
+        result = run_from_prefix(engine, prepared, pinned, trace)
     else:
         result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace, sampling=sampling)
     for line in result.stats.get("warnings", []):
@@ -176,7 +202,9 @@ def _print_stats(s: dict) -> None:
               + (f" (of which {s['kv_bytes_alignment'] / 2**20:.2f} MiB: capacities rounded to 256 cells)"
                  if s.get("kv_bytes_alignment") else ""))
     t.add_row("persistence step", f"{s.get('step_ms_per_token', 0.0):.2f} ms/token")
-    t.add_row("prefill", f"{s['prefill_ms']:.0f} ms")
+    t.add_row("prefill", f"{s['prefill_ms']:.0f} ms" + (
+        f" ({s['prefix_reused']} prompt tokens restored from a prefix file)"
+        if s.get("prefix_source") == "prefix" else ""))
     t.add_row("decode", f"{s['ms_per_token']:.1f} ms/token")
     sm = s["sampler"]
     t.add_row("grammar checks", f"fast {sm['fast']}, block {sm['block']}, full {sm['full']}")

@@ -19,10 +19,14 @@
 #include "llama-context.h"
 #include "llama-cparams.h"
 #include "llama-impl.h"
+#include "llama-io.h"
 #include "llama-model.h"
+
+#include "ggml-backend.h"
 
 #include <algorithm>
 #include <cassert>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -224,18 +228,200 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_layered::memory_brea
     return mb;
 }
 
+// One sequence's state, stream-agnostic, so that a prefix saved from a one-sequence context restores
+// into any sequence of a pool (another stream count). Layout (host byte order):
+//   u32 magic 'PKVL', u32 version, u32 n_layer, i32 pos_hw, then per layer: u8 has_kv and, if it has,
+//   u32 cell_count, u64 n_bytes, n_bytes of that layer's upstream per-stream state (cell meta + data,
+//   as llama_kv_cache::state_write writes one stream's, without its stream header).
+// Whole-context state (seq_id < 0) is not supported: it throws, as before.
+namespace {
+
+constexpr uint32_t PKVL_MAGIC   = 0x4c564b50; // "PKVL"
+constexpr uint32_t PKVL_VERSION = 1;
+
+// collects what one per-layer cache writes (tensor rows copied out of the backend)
+class pkvl_vec_writer : public llama_io_write_i {
+public:
+    std::vector<uint8_t> buf;
+
+    void write(const void * src, size_t size) override {
+        const auto * p = static_cast<const uint8_t *>(src);
+        buf.insert(buf.end(), p, p + size);
+    }
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t at = buf.size();
+        buf.resize(at + size);
+        ggml_backend_tensor_get(tensor, buf.data() + at, offset, size);
+    }
+    size_t n_bytes() override { return buf.size(); }
+};
+
+// presents one layer's saved stream to a per-layer cache as upstream's multi-stream layout:
+// [n_stream][cell_count][payload from the outer reader][0 for every other stream]
+class pkvl_stream_reader : public llama_io_read_i {
+public:
+    pkvl_stream_reader(llama_io_read_i & outer, uint32_t n_stream, uint32_t cell_count, uint64_t n_payload)
+        : outer(outer), payload_left(n_payload) {
+        head.resize(8 + 4 * (size_t) (n_stream - 1), 0);
+        std::memcpy(head.data(), &n_stream, 4);
+        std::memcpy(head.data() + 4, &cell_count, 4);
+    }
+
+    void read(void * dst, size_t size) override {
+        if (head_at < 8) { // the stream count and the cell count
+            take_head(dst, size, 8);
+        } else if (payload_left > 0) {
+            take_payload(size);
+            outer.read(dst, size);
+        } else { // the other streams' zero cell counts
+            take_head(dst, size, head.size());
+        }
+        n_read += size;
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        if (head_at < 8) {
+            throw std::runtime_error("layer state: tensor data before the cell count");
+        }
+        take_payload(size);
+        outer.read_tensor(tensor, offset, size);
+        n_read += size;
+    }
+    void discard() override { outer.discard(); }
+    size_t n_bytes() override { return n_read; }
+
+    bool done() const { return payload_left == 0 && head_at == head.size(); }
+
+private:
+    void take_head(void * dst, size_t size, size_t end) {
+        if (head_at + size > end) {
+            throw std::runtime_error("layer state: read past its stream header");
+        }
+        std::memcpy(dst, head.data() + head_at, size);
+        head_at += size;
+    }
+    void take_payload(size_t size) {
+        if (size > payload_left) {
+            throw std::runtime_error("layer state: read past its recorded size");
+        }
+        payload_left -= size;
+    }
+
+    llama_io_read_i & outer;
+    std::vector<uint8_t> head;
+    size_t   head_at = 0;
+    uint64_t payload_left;
+    size_t   n_read = 0;
+};
+
+template <typename T> T pkvl_read(llama_io_read_i & io) {
+    T v;
+    io.read(&v, sizeof(v));
+    return v;
+}
+
+} // namespace
+
 void llama_kv_cache_layered::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
-    GGML_UNUSED(io);
-    GGML_UNUSED(seq_id);
-    GGML_UNUSED(flags);
-    throw std::runtime_error("the pask layered KV cache does not support state save/load");
+    if (seq_id < 0 || (size_t) seq_id >= pos_hw.size()) {
+        throw std::runtime_error("the pask layered KV cache saves one sequence's state only");
+    }
+    const uint32_t n_layer_ = (uint32_t) caches.size();
+    io.write(&PKVL_MAGIC, sizeof(PKVL_MAGIC));
+    io.write(&PKVL_VERSION, sizeof(PKVL_VERSION));
+    io.write(&n_layer_, sizeof(n_layer_));
+    const llama_pos hw = pos_hw[seq_id];
+    io.write(&hw, sizeof(hw));
+    for (const auto & c : caches) {
+        const uint8_t has = c ? 1 : 0;
+        io.write(&has, 1);
+        if (!c) {
+            continue;
+        }
+        pkvl_vec_writer w;
+        c->state_write(w, seq_id, flags);
+        // upstream layout: [n_stream] then per stream [cell_count][meta + data if cell_count > 0];
+        // one sequence lives in one stream, so at most one count is non-zero
+        const auto & b = w.buf;
+        uint32_t ns = 0;
+        std::memcpy(&ns, b.data(), 4);
+        size_t at = 4;
+        uint32_t cc = 0;
+        size_t p0 = 0, p1 = 0;
+        for (uint32_t s = 0; s < ns; ++s) {
+            uint32_t n = 0;
+            std::memcpy(&n, b.data() + at, 4);
+            at += 4;
+            if (n == 0) {
+                continue;
+            }
+            if (cc != 0) {
+                throw std::runtime_error("layer state: a sequence in two streams");
+            }
+            cc = n;
+            p0 = at;
+            p1 = b.size() - 4 * (size_t) (ns - 1 - s); // the rest are the later streams' zero counts
+            at = p1;
+        }
+        const uint64_t n_payload = cc ? (uint64_t) (p1 - p0) : 0;
+        io.write(&cc, sizeof(cc));
+        io.write(&n_payload, sizeof(n_payload));
+        if (n_payload) {
+            io.write(b.data() + p0, n_payload);
+        }
+    }
 }
 
 void llama_kv_cache_layered::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
-    GGML_UNUSED(io);
-    GGML_UNUSED(seq_id);
-    GGML_UNUSED(flags);
-    throw std::runtime_error("the pask layered KV cache does not support state save/load");
+    if (seq_id < 0 || (size_t) seq_id >= pos_hw.size()) {
+        throw std::runtime_error("the pask layered KV cache restores one sequence's state only");
+    }
+    if (pkvl_read<uint32_t>(io) != PKVL_MAGIC) {
+        throw std::runtime_error("not a pask layered KV state");
+    }
+    if (pkvl_read<uint32_t>(io) != PKVL_VERSION) {
+        throw std::runtime_error("pask layered KV state: unsupported version");
+    }
+    if (pkvl_read<uint32_t>(io) != (uint32_t) caches.size()) {
+        throw std::runtime_error("pask layered KV state: another layer count");
+    }
+    const llama_pos hw = pkvl_read<llama_pos>(io);
+    seq_rm(seq_id, -1, -1);
+    try {
+        for (size_t il = 0; il < caches.size(); ++il) {
+            auto & c = caches[il];
+            if (pkvl_read<uint8_t>(io) != (c ? 1 : 0)) {
+                throw std::runtime_error("pask layered KV state: layer " + std::to_string(il) + " differs");
+            }
+            if (!c) {
+                continue;
+            }
+            const uint32_t cc = pkvl_read<uint32_t>(io);
+            const uint64_t n_payload = pkvl_read<uint64_t>(io);
+            if (cc > n_cells[il]) {
+                throw std::runtime_error("pask layered KV state: layer " + std::to_string(il) + " holds " +
+                                         std::to_string(cc) + " cells, this context " + std::to_string(n_cells[il]));
+            }
+            if ((cc == 0) != (n_payload == 0)) {
+                throw std::runtime_error("pask layered KV state: layer " + std::to_string(il) + " is inconsistent");
+            }
+            if (cc == 0) {
+                continue;
+            }
+            pkvl_stream_reader r(io, n_stream(), cc, n_payload);
+            c->state_read(r, seq_id, flags);
+            if (!r.done()) {
+                throw std::runtime_error("pask layered KV state: layer " + std::to_string(il) + " has extra bytes");
+            }
+        }
+    } catch (...) {
+        seq_rm(seq_id, -1, -1); // nothing half-restored
+        throw;
+    }
+    if (hw < -1) {
+        seq_rm(seq_id, -1, -1);
+        throw std::runtime_error("pask layered KV state: bad position");
+    }
+    pos_hw[seq_id] = std::max(layers_pos_max(seq_id), hw);
 }
 
 bool llama_kv_cache_layered::get_can_shift() const {

@@ -54,7 +54,8 @@ public:
 
     std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
 
-    // not supported: throw (llama_state_* catch and report the failure)
+    // one sequence's state (llama_state_seq_*; stream-agnostic layout, see the .cpp); the whole
+    // context's (seq_id < 0) throws, which llama_state_* catch and report
     void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
     void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
 

@@ -42,11 +42,11 @@ from ..methods import Method
 from ..model_info import swa_layers
 from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, prefills_whole
 from .kv_stream import context_config, flash_attn_for, layer_cells, round_up
-from .prefix_cache import REUSE_MODES, PrefixCache, Source, Start, common_prefix
+from .prefix_cache import REUSE_MODES, Pinned, PrefixCache, Source, Start, common_prefix
 from .request_queue import PoolClosed, QueueFull, RequestCancelled, RequestQueue
 from .step_plan import SlotState, StepPlan, plan_step
 
-__all__ = ["REUSE_MODES", "PoolClosed", "PoolLayout", "QueueFull", "RequestCancelled", "SlotPool", "common_prefix",
+__all__ = ["REUSE_MODES", "Pinned", "PoolClosed", "PoolLayout", "QueueFull", "RequestCancelled", "SlotPool", "common_prefix",
            "slot_capacities"]
 
 
@@ -266,6 +266,11 @@ class SlotPool:
         """Run a prepared request in the pool; blocks until it is answered (or fails)."""
         return self.submit(engine, prepared, on_token, cancelled).result()
 
+    def pin(self, prefix: Pinned) -> None:
+        """Offer a prefix compressed on its own (a prefix file) to every later request (``prefix_cache``)."""
+        with self.queue.cond:
+            self.cache.pin(prefix)
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the step loop (requests still running or waiting fail) and free the context."""
         for req in self.queue.close():
@@ -316,15 +321,19 @@ class SlotPool:
             method = req.engine.method
             start = self.cache.lookup(req.prepared.plan.prompt.tokens, self._free,
                                       lambda: [r.source() for r in self._active],
-                                      full=method.keeps_all, whole=prefills_whole(method))
+                                      full=method.keeps_all, whole=prefills_whole(method), method=method.name,
+                                      budget=None if method.keeps_all else req.engine.cfg.budget)
             if start is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
             self._claim(start)
             spec = SlotSpec(self.ctx, start.seq, self.layout.capacities, self.slot_bytes, self.flash_attn,
                             start.reuse, self.layout.kv_type, compact=True, probe=self.probe,
-                            reuse_source="running" if start.shared else ("cache" if start.reuse else ""))
+                            reuse_source="running" if start.shared else
+                            ("prefix" if start.pinned else "cache" if start.reuse else ""))
             try:
+                if start.pinned is not None:
+                    start.pinned.restore(self.ctx, start.seq)
                 req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token, trace=req.trace)
             except BaseException as exc:
                 self.ctx.seq_rm(start.seq, -1, -1)
@@ -347,6 +356,9 @@ class SlotPool:
         if start.shared:
             self.ctx.seq_rm(start.seq, -1, -1)
             self.ctx.seq_cp(start.copy_from, start.seq)  # the data moves at the next decode, before its graph runs
+        if start.pinned is not None:  # restored in place by the admission
+            self.ctx.seq_rm(start.seq, -1, -1)
+            return
         self.ctx.seq_rm(start.seq, start.reuse, -1)  # the rest of the earlier request (all of it without reuse)
 
     def _holds_whole(self, seq: int, n: int) -> bool:

@@ -14,12 +14,18 @@ fresh prefill. ``reuse="any"`` also lets methods that evict while they read star
 request's run kept, and reuses the whole common prefix: faster, but the output may then differ.
 Under ``min_reuse`` shared tokens a request starts fresh. With sliding-window layers a stream that
 ran past the window no longer holds what a request at the prefix's end attends: it is not reused.
+
+Pinned prefixes (``pin``: a prefix file, ``pask-local compress``) were compressed from the prefix
+alone, independently of any request, so any mode reuses them, whole, for a request of their method
+and budget whose prompt goes on past them: the pool restores one into the request's stream
+(``Start.pinned``) unless a held or running stream offers a longer prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -53,12 +59,24 @@ Running = Sequence[Source] | Callable[[], Sequence[Source]]
 
 
 @dataclass(frozen=True)
+class Pinned:
+    """A prefix compressed on its own (a prefix file): its tokens, the method and budget it was
+    compressed with (None: Full KV), and how to put it into a stream."""
+
+    tokens: tuple[int, ...]
+    method: str
+    budget: float | None
+    restore: Callable[[Any, int], None]  # (the pool's context, a sequence id)
+
+
+@dataclass(frozen=True)
 class Start:
     """Where a request starts: its sequence, the prompt positions it already holds, the stream copied."""
 
     seq: int
     reuse: int = 0
     copy_from: int = -1       # a running request's sequence whose stream is copied (-1: none)
+    pinned: Pinned | None = None  # a pinned prefix to restore into ``seq`` (``reuse`` = its length)
 
     @property
     def shared(self) -> bool:
@@ -83,6 +101,22 @@ class PrefixCache:
         self.limit = window
         self.holds_whole = holds_whole
         self._held: dict[int, list[int]] = {}  # free seq -> the tokens its stream still holds
+        self.pinned: list[Pinned] = []
+
+    def pin(self, prefix: Pinned) -> None:
+        """Offer ``prefix`` to every later request (see the module doc)."""
+        self.pinned.append(prefix)
+
+    def _pinned_for(self, tokens: Sequence[int], method: str | None, budget: float | None) -> Pinned | None:
+        """The longest pinned prefix of ``tokens`` (which go on past it) for that method and budget."""
+        best: Pinned | None = None
+        for p in self.pinned:
+            n = len(p.tokens)
+            if p.method != method or p.budget != budget or len(tokens) <= n or (best and n <= len(best.tokens)):
+                continue
+            if common_prefix(p.tokens, tokens[:n]) == n:
+                best = p
+        return best
 
     def held(self, seq: int) -> list[int] | None:
         return self._held.get(seq)
@@ -106,16 +140,24 @@ class PrefixCache:
         return (n // self.chunk) * self.chunk if aligned else n
 
     def lookup(self, tokens: Sequence[int], free: list[int], running: Running = (),
-               full: bool = False, whole: bool = False) -> Start | None:
+               full: bool = False, whole: bool = False, method: str | None = None,
+               budget: float | None = None) -> Start | None:
         """Where a prompt starts, among the ``free`` sequences (not empty); None: wait for a running source.
 
         ``running``: the running requests' streams (or a function giving them, asked only when a
         prefix may be reused); ``full``: the request's method keeps all (Full KV); ``whole``: it
         prefills the whole prompt before it compresses. Both read a prefix with full attention; exact
-        mode reuses only for them."""
+        mode reuses only for them. ``method``/``budget``: the request's (None for Full KV), which
+        pinned prefixes must match."""
         if self.reuse == "exact":
-            return self._pick(tokens, free, running, whole=True, aligned=True, reuse=full or whole)
-        return self._pick(tokens, free, running, whole=whole, aligned=False, reuse=True)
+            start = self._pick(tokens, free, running, whole=True, aligned=True, reuse=full or whole)
+        else:
+            start = self._pick(tokens, free, running, whole=whole, aligned=False, reuse=True)
+        pinned = self._pinned_for(tokens, method, budget) if self.pinned else None
+        if pinned is None or (start is not None and start.reuse >= len(pinned.tokens)):
+            return start
+        seq = min(free, key=lambda s: (s in self._held, s))
+        return Start(seq, len(pinned.tokens), pinned=pinned)
 
     def _pick(self, tokens: Sequence[int], free: list[int], running: Running, whole: bool,
               aligned: bool, reuse: bool) -> Start | None:

@@ -71,7 +71,8 @@ class SlotSpec:
     kv_type: str = "f16"    # the pool's K/V element type
     probe: AttentionProbe | None = None  # the shared context's probe (pool, shared prefill): its owner resets and frees it
     compact: bool = False   # after the prefill, gather the sequence's held cells at its stream's lowest indices
-    reuse_source: str = ""  # where the reused prefix came from: "cache" (a finished request), "running" (copied)
+    reuse_source: str = ""  # where the reused prefix came from: "cache" (a finished request), "running" (copied),
+    #                         "prefix" (a prefix file)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -95,6 +96,7 @@ class ServerConfig:
     prepare_workers: int = 2          # requests parsed, rendered and tokenized at once
     guard: Guard = field(default_factory=Guard)
     kv_type: str = EngineConfig.kv_type  # K/V element type of every request (and of the pool)
+    prefixes: tuple[Path, ...] = ()   # batch: prefix files (``pask-local compress``) every matching request starts from
 
 
 DEFAULT_SLOT_LEN = 4096
@@ -137,12 +139,33 @@ class Server:
             self.pool = IsolatedPool(self.slots, config.queue_size)
             self.context_limit = config.max_context or model.n_ctx_train
         self.batched = isinstance(self.pool, SlotPool)
+        if config.prefixes:
+            try:
+                self._pin_prefixes(method, config.prefixes)
+            except BaseException:
+                self.pool.close()
+                raise
         self.gate = PrepareGate(config.prepare_workers, config.queue_size)
         # a prompt of B bytes is at least B / longest-piece tokens: text past this cannot fit
         self.max_message_chars = self.context_limit * model.longest_piece()
         pool = self.pool
         self.metrics = Metrics(lambda: pool.busy, lambda: pool.waiting, self.slots, config.queue_size,
                                pool if isinstance(pool, SlotPool) else None)
+
+    def _pin_prefixes(self, method: Method, paths: tuple[Path, ...]) -> None:
+        """Load each prefix file once (checked against the model, the default method, budget and K/V
+        type); the pool restores it into every request whose prompt starts with it."""
+        from ..prefix.build import open_file, pin
+
+        if not isinstance(self.pool, SlotPool):
+            raise PaskError("--prefix needs the batched pool (drop --no-batch)")
+        budget = None if method.keeps_all else self.cfg.defaults.budget
+        for path in paths:
+            header, blob = open_file(path, self.model)
+            if header.n_prefix >= self.context_limit:
+                raise PaskError(f"prefix file {path.name} holds {header.n_prefix} tokens; a slot holds "
+                                f"{self.context_limit} (raise --max-context)")
+            self.pool.pin(pin(path, header, blob, self.model, method.name, budget, self.cfg.kv_type))
 
     def pool_layout(self, method: Method) -> PoolLayout:
         """The slots of the batched pool: ``kv_mem`` bytes of K/V or ``slots`` slots of ``slot_len`` tokens."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -77,6 +78,11 @@ def serve_command(
                                                 "carry besides the decoding slots' tokens (lower: steadier "
                                                 "TPOT, later first tokens); 0: a chunk per prefilling "
                                                 "slot.")] = 128,
+    prefix: Annotated[list[Path] | None, typer.Option("--prefix", help="A prefix file from `pask-local compress` "
+                                                      "(repeatable): loaded once, restored into every request "
+                                                      "whose prompt starts with it, which then prefills only "
+                                                      "the rest. Its method and budget must be the server's.",
+                                                      show_default=False)] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Batched: a finished "
                                                "request's slot keeps its KV, and a new request whose prompt "
                                                "starts the same way (system prompt, tools) takes it and "
@@ -176,7 +182,8 @@ def serve_command(
                                          flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
                                          kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens,
                                          prefix_cache=prefix_cache, kv_type=kv_type, guard=guard,
-                                         reuse_compressed=reuse_compressed, body_timeout=body_timeout))
+                                         reuse_compressed=reuse_compressed, body_timeout=body_timeout,
+                                         prefixes=tuple(prefix or ())))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()

@@ -1,0 +1,310 @@
+"""Compress once, reuse every turn: sequence state, prefix files, `compress`, `run --prefix`, `serve --prefix`.
+
+Oracles: a restored stream continues exactly as the stream it was saved from (the same next-token
+logits, bit for bit: upstream's own continuation), and holds the positions its header lists; a
+Full KV prefix restored and continued gives the call a fresh run gives. Every damaged or foreign
+file is refused with its one line, never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from pask_local.engine.prefix_cache import Pinned, PrefixCache
+from pask_local.errors import PaskError
+from pask_local.prefix import state as kv_state
+from pask_local.prefix.file import PrefixFileError, read, write
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "location": {"type": "string", "description": "City name, e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Get the local time in a time zone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "description": "IANA zone"}},
+                       "required": ["timezone"]}}},
+]
+QUESTION = "What is the weather in Paris in celsius?"
+
+
+# ------------------------------------------------------------------ the prefix cache (no model)
+def _pinned(tokens, method="pask-prior", budget=0.33):
+    return Pinned(tuple(tokens), method, budget, lambda ctx, seq: None)
+
+
+def test_pinned_prefix_serves_matching_requests_only():
+    cache = PrefixCache(reuse="exact", min_reuse=4, chunk=4)
+    short, long_ = _pinned(range(10)), _pinned(range(20))
+    cache.pin(short)
+    cache.pin(long_)
+    start = cache.lookup(list(range(30)), [0, 1], method="pask-prior", budget=0.33)
+    assert start.pinned is long_ and start.reuse == 20
+    assert cache.lookup(list(range(15)), [0], method="pask-prior", budget=0.33).pinned is short
+    # another method or budget, a prompt that does not go past the prefix, or that differs inside it
+    assert cache.lookup(list(range(30)), [0], method="streaming", budget=0.33).pinned is None
+    assert cache.lookup(list(range(30)), [0], method="pask-prior", budget=0.2).pinned is None
+    assert cache.lookup(list(range(10)), [0], method="pask-prior", budget=0.33).pinned is None
+    assert cache.lookup([0, 1, 2, 9, 4, 5, 6, 7, 8, 9, 10, 11], [0], method="pask-prior",
+                        budget=0.33).pinned is None
+
+
+def test_a_longer_held_full_prefix_beats_a_pinned_one():
+    cache = PrefixCache(reuse="exact", min_reuse=4, chunk=4)
+    cache.pin(_pinned(range(8), method="full", budget=None))
+    cache.hold(1, list(range(24)))
+    start = cache.lookup(list(range(30)), [0, 1], full=True, method="full", budget=None)
+    assert start.pinned is None and start.seq == 1 and start.reuse == 24
+
+
+# ------------------------------------------------------------------ sequence state (native)
+def _text_tokens(model, n_repeat=12):
+    return model.tokenize("The quick brown fox jumps over the lazy dog. " * n_repeat)
+
+
+def test_layered_state_restores_into_another_stream_exactly(gemma_model):
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.llm import ContextConfig
+
+    m = gemma_model
+    toks = _text_tokens(m)
+    n = len(toks)
+    caps = [n + 8] * m.n_layer
+    a = LayeredContext(m, caps, ContextConfig(n_ctx=512, n_batch=512))
+    b = LayeredContext(m, caps, ContextConfig(n_ctx=512, n_batch=512, n_seq_max=3))
+    small = LayeredContext(m, [16] * m.n_layer, ContextConfig(n_ctx=512, n_batch=512))
+    try:
+        a.decode(toks, 0)
+        for il in range(m.n_layer):  # a different hole pattern in every layer
+            a.evict(il, list(range(3 + il, n - 8, 2 + il % 3)))
+        blob = kv_state.save(a, 0)
+        kv_state.restore(b, 2, blob)
+        for il in range(m.n_layer):
+            assert b.positions(il, 2) == a.positions(il, 0), il
+            assert b.used(il, 0) == 0
+        a.decode([toks[5]], n)
+        b.decode([toks[5]], n, seq_id=2)
+        assert np.array_equal(a.logits(), b.logits())
+        with pytest.raises(PaskError, match="does not fit"):
+            kv_state.restore(small, 0, blob)
+        assert all(small.used(il, 0) == 0 for il in range(m.n_layer))  # nothing half-restored
+        with pytest.raises(PaskError, match="does not fit"):
+            kv_state.restore(b, 1, blob[: len(blob) // 2])
+        assert all(b.used(il, 1) == 0 for il in range(m.n_layer))
+    finally:
+        for c in (a, b, small):
+            c.close()
+
+
+def test_full_kv_state_restores_into_a_pool_sized_context(qwen05_model, gemma_model):
+    from pask_local.llm import Context, ContextConfig
+
+    m = qwen05_model
+    toks = _text_tokens(m)
+    a = Context(m, ContextConfig(n_ctx=512, n_batch=512))
+    b = Context(m, ContextConfig(n_ctx=768, n_batch=512, n_seq_max=3))
+    try:
+        a.decode(toks, 0)
+        kv_state.restore(b, 2, kv_state.save(a, 0))
+        a.decode([toks[5]], len(toks))
+        b.decode([toks[5]], len(toks), seq_id=2)
+        assert np.array_equal(a.logits(), b.logits())
+    finally:
+        a.close()
+        b.close()
+    # a sliding-window model's upstream cache: only into the stream count it was saved from
+    g = gemma_model
+    a = Context(g, ContextConfig(n_ctx=512, n_batch=512))
+    one = Context(g, ContextConfig(n_ctx=512, n_batch=512))
+    three = Context(g, ContextConfig(n_ctx=768, n_batch=512, n_seq_max=3))
+    try:
+        a.decode(_text_tokens(g), 0)
+        blob = kv_state.save(a, 0)
+        kv_state.restore(one, 0, blob)
+        with pytest.raises(PaskError, match="stream count"):
+            kv_state.restore(three, 1, blob)
+    finally:
+        for c in (a, one, three):
+            c.close()
+
+
+# ------------------------------------------------------------------ prefix files (Qwen 0.5B)
+def _engine(model, method, budget=0.33):
+    from pask_local.engine import Engine, EngineConfig, make_method
+
+    return Engine(model, make_method(method, model), EngineConfig(budget=budget, max_tokens=48, style="native"))
+
+
+def _tools():
+    from pask_local.schema.tools import load_tools
+
+    return load_tools(TOOLS)
+
+
+@pytest.fixture(scope="module")
+def prefix_file(qwen05_model, tmp_path_factory) -> Path:
+    """The two tools' prefix compressed once with the default method at 0.33."""
+    from pask_local.engine.factory import DEFAULT_METHOD
+    from pask_local.prefix.build import compress, save
+
+    path = tmp_path_factory.mktemp("prefix") / "tools.pkv"
+    c = compress(_engine(qwen05_model, DEFAULT_METHOD), _tools(), None)
+    assert c.held <= 0.34 * c.full  # the budget holds over the prefix
+    save(path, c)
+    return path
+
+
+def _run(model, path, method, budget, question=QUESTION, tools=None):
+    from pask_local.prefix.build import check_prompt, open_file, pin, run_from_prefix
+
+    engine = _engine(model, method, budget or 1.0)
+    tools = tools or _tools()
+    header, blob = open_file(path, model)
+    pinned = pin(path, header, blob, model, method, budget, "f16", tools)
+    prepared = engine.prepare([{"role": "user", "content": question}], tools, "required")
+    check_prompt(header, prepared.plan.prompt.tokens, path.name)
+    return header, run_from_prefix(engine, prepared, pinned), engine, prepared
+
+
+@pytest.mark.slow
+def test_compressed_prefix_is_restored_and_answers(qwen05_model, prefix_file):
+    from pask_local.engine.factory import DEFAULT_METHOD
+
+    header, res, _, prepared = _run(qwen05_model, prefix_file, DEFAULT_METHOD, 0.33)
+    assert header.method == DEFAULT_METHOD and header.budget == 0.33
+    assert res.stats["prefix_source"] == "prefix" and res.stats["prefix_reused"] == header.n_prefix
+    assert res.stats["n_prompt"] == prepared.n_prompt > header.n_prefix
+    assert res.ok and res.parsed["name"] == "get_weather"
+    assert res.stats["max_over_budget_entries"] == 0
+
+
+@pytest.mark.slow
+def test_full_kv_prefix_gives_the_fresh_call(qwen05_model, tmp_path):
+    from pask_local.prefix.build import compress, save
+
+    path = tmp_path / "full.pkv"
+    save(path, compress(_engine(qwen05_model, "full"), _tools(), None))
+    _, res, engine, prepared = _run(qwen05_model, path, "full", None)
+    fresh = engine.execute(prepared)
+    assert res.stats["prefix_reused"] > 0
+    assert res.ok and fresh.ok and res.parsed == fresh.parsed
+
+
+def _rewrite(src: Path, dst: Path, qwen05_model, **changes) -> Path:
+    from pask_local.prefix.build import max_state_bytes
+
+    header, blob = read(src, max_state_bytes(qwen05_model, qwen05_model.n_ctx_train))
+    write(dst, dataclasses.replace(header, **changes), blob)
+    return dst
+
+
+@pytest.mark.slow
+def test_damaged_and_foreign_files_are_refused(qwen05_model, gemma_model, prefix_file, tmp_path):
+    from pask_local.engine.factory import DEFAULT_METHOD
+    from pask_local.prefix.build import open_file, pin
+
+    data = prefix_file.read_bytes()
+
+    def refused(path: Path, match: str, model=qwen05_model) -> None:
+        with pytest.raises(PrefixFileError, match=match):
+            open_file(path, model)
+
+    (tmp_path / "tampered.pkv").write_bytes(data[:-500] + bytes([data[-500] ^ 1]) + data[-499:])
+    refused(tmp_path / "tampered.pkv", "damaged or was modified")
+    (tmp_path / "truncated.pkv").write_bytes(data[: len(data) // 2])
+    refused(tmp_path / "truncated.pkv", "damaged or was modified")
+    (tmp_path / "tiny.pkv").write_bytes(data[:20])
+    refused(tmp_path / "tiny.pkv", "truncated")
+    (tmp_path / "version.pkv").write_bytes(data[:8] + (7).to_bytes(4, "little") + data[12:])
+    refused(tmp_path / "version.pkv", "format version 7")
+    (tmp_path / "other.pkv").write_bytes(b"GGUF" + data[4:])
+    refused(tmp_path / "other.pkv", "not a pask-local prefix file")
+    refused(prefix_file, "another model", model=gemma_model)
+    refused(_rewrite(prefix_file, tmp_path / "tmpl.pkv", qwen05_model, template_sha256="0" * 64),
+            "another chat template")
+    refused(_rewrite(prefix_file, tmp_path / "weights.pkv", qwen05_model, model_sha256="0" * 64), "another model")
+    refused(_rewrite(prefix_file, tmp_path / "build.pkv", qwen05_model, upstream="0.0.1"), "llama.cpp build")
+    with pytest.raises(PrefixFileError, match="more than this model"):
+        read(prefix_file, 1000)
+    header, blob = open_file(prefix_file, qwen05_model)
+    other_tools = _tools()[:1]
+    with pytest.raises(PrefixFileError, match="another tool list"):
+        pin(prefix_file, header, blob, qwen05_model, DEFAULT_METHOD, 0.33, "f16", other_tools)
+    with pytest.raises(PrefixFileError, match="this run asks for 'streaming'"):
+        pin(prefix_file, header, blob, qwen05_model, "streaming", 0.33, "f16")
+    with pytest.raises(PrefixFileError, match="q8_0"):
+        pin(prefix_file, header, blob, qwen05_model, DEFAULT_METHOD, 0.33, "q8_0")
+    # a header whose positions disagree with its K/V: refused when restored, the stream left empty
+    kept = [k[:-1] for k in header.kept]
+    lying = _rewrite(prefix_file, tmp_path / "lying.pkv", qwen05_model, kept=kept)
+    with pytest.raises(PrefixFileError, match="does not match the positions"):
+        _run(qwen05_model, lying, DEFAULT_METHOD, 0.33)
+    for bad in ({"kept": [[10**6]] * header.n_layer}, {"tokens": "x"}, {"budget": 3.0}):
+        path = _rewrite(prefix_file, tmp_path / "bad.pkv", qwen05_model, **bad)
+        refused(path, "malformed header")
+
+
+@pytest.mark.slow
+def test_cli_compress_run_and_refusals(prefix_file, tmp_path, cli):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    model = ["--model", "qwen2.5-coder-0.5b"]
+    out = cli("run", *model, "--schema", str(tools), "--prefix", str(prefix_file), QUESTION)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["name"] == "get_weather"
+    bad = tmp_path / "bad.pkv"
+    bad.write_bytes(prefix_file.read_bytes()[:-1] + b"\0")
+    for args, line in (
+            (["run", *model, "--schema", str(tools), "--prefix", str(bad), QUESTION], "damaged"),
+            (["run", *model, "--schema", str(tools), "--prefix", str(prefix_file), "--method", "snapkv", QUESTION],
+             "this run asks for 'snapkv'"),
+            (["compress", *model, "--tools", str(tools), "--method", "snapkv", "--out", str(tmp_path / "s.pkv")],
+             "query-aware"),
+            (["compress", *model, "--tools", str(tmp_path / "none.json"), "--out", str(tmp_path / "n.pkv")],
+             "not found")):
+        r = cli(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        assert line in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefix_file):
+    from serve_helpers import serve_in_thread
+
+    from pask_local.engine.factory import DEFAULT_METHOD
+    from pask_local.llm import Model
+    from pask_local.server.app import Server, ServerConfig
+    from pask_local.server.openai_io import Defaults
+
+    model = Model(qwen05_path)
+    with pytest.raises(PaskError, match="this run asks for 'full'"):
+        Server(model, ServerConfig("q", Defaults(method="full", max_tokens=48), slots=1, max_context=1024,
+                                   prefixes=(prefix_file,)))
+    srv = Server(model, ServerConfig("q", Defaults(method=DEFAULT_METHOD, max_tokens=48), slots=2,
+                                     max_context=1024, prefixes=(prefix_file,)))
+    try:
+        with serve_in_thread(srv) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+            for city in ("Paris", "Oslo"):
+                r = client.chat.completions.create(
+                    model="q", messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+                    tools=TOOLS, tool_choice="required", max_tokens=48)
+                assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+            n_prefix = len(json.loads(_header_json(prefix_file))["tokens"])
+            assert srv.pool.stats()["reused_prompt_tokens"] == 2 * n_prefix
+    finally:
+        srv.close()
+        model.close()
+
+
+def _header_json(path: Path) -> bytes:
+    data = path.read_bytes()
+    n = int.from_bytes(data[12:20], "little")
+    return data[20:20 + n]
