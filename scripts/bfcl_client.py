@@ -36,12 +36,13 @@ from pask_local.eval.multiturn import engine_caller, run_multiturn, select_conve
 from pask_local.eval.multiturn_env import Conversation
 
 EXE = str(Path(sys.executable).with_name("pask-local"))
+SLOT_LEN = 16384  # tokens of the server's one slot, and of the in-process pool's
 
 
 def start_server(model: str, method: str, budget: float, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     cmd = [EXE, "serve", "--model", model, "--method", method, "--budget", str(budget), "--slots", "1",
-           "--port", str(port), "--max-context", "16384", "--max-tokens", "256", "--log-level", "warning"]
+           "--port", str(port), "--max-context", str(SLOT_LEN), "--max-tokens", "256", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -128,6 +129,13 @@ def run_bfcl(url: str, key: str, convs: list[Conversation], max_turns: int | Non
     return rows
 
 
+def read_bfcl(out: Path, convs: list[Conversation]) -> list[dict]:
+    """The BFCL-runner verdicts already in ``OUT/bfcl_client.jsonl`` for ``convs`` (in their order)."""
+    path = out / "bfcl_client.jsonl"
+    done = {r["id"]: r for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+    return [done[c.id] for c in convs if c.id in done]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -141,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", help="comma-separated conversation ids")
     ap.add_argument("--max-turns", type=int, help="play only each conversation's first N turns")
     ap.add_argument("--no-in-process", action="store_true", help="only BFCL's runner against the server")
+    ap.add_argument("--no-bfcl", action="store_true",
+                    help="only the in-process side (its verdicts are compared with OUT/bfcl_client.jsonl's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     try:
@@ -151,19 +161,24 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         proc = None
         url = args.url
-        if url is None:
-            url, proc = start_server(args.model, args.method, args.budget, args.out / "server.log")
-        try:
-            bfcl = run_bfcl(url.rstrip("/"), args.api_key, convs, args.max_turns, args.out)
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(30)
+        if args.no_bfcl:
+            bfcl = read_bfcl(args.out, convs)
+        else:
+            if url is None:
+                url, proc = start_server(args.model, args.method, args.budget, args.out / "server.log")
+            try:
+                bfcl = run_bfcl(url.rstrip("/"), args.api_key, convs, args.max_turns, args.out)
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(30)
         local: dict[str, dict] = {}
         if not args.no_in_process:
             from pask_local.models import resolve_model
 
-            caller, close = engine_caller(resolve_model(None, args.model), args.method, args.budget)
+            # the server's path: a one-slot pool of SLOT_LEN tokens with exact prefix reuse
+            caller, close = engine_caller(resolve_model(None, args.model), args.method, args.budget,
+                                          reuse_len=SLOT_LEN)
             try:
                 recs = run_multiturn(convs, caller, args.out / "in_process", method=args.method,
                                      budget=None if args.method == "full" else args.budget,

@@ -379,11 +379,13 @@ class EngineCaller:
     ``Engine.prepare``/``execute`` with the conversation, the tools and tool_choice auto, parallel
     calls allowed; the reply is ``EngineResult.message`` in OpenAI's shape."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, pool: Any = None) -> None:
         self.engine = engine
+        self.pool = pool  # a one-slot ``SlotPool``: each step reuses the previous step's prompt (exact reuse)
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
-        res = self.engine.execute(self.engine.prepare(messages, tools, "auto", parallel=True))
+        prepared = self.engine.prepare(messages, tools, "auto", parallel=True)
+        res = self.engine.execute(prepared) if self.pool is None else self.pool.execute(self.engine, prepared)
         msg = res.message.to_openai()
         msg["usage"] = {"prompt_tokens": int(res.stats.get("n_prompt", len(res.prompt.tokens))),
                         "completion_tokens": int(res.stats.get("n_gen", len(res.tokens)))}
@@ -394,11 +396,15 @@ class EngineCaller:
 
 def engine_caller(gguf: Path, method: str = "full", budget: float = 0.33, max_tokens: int = 256,
                   prompt_style: str = "native", ngl: int = 0, flash_attn: bool = False, kv_type: str = "f16",
-                  hysteresis: float = 0.02, policy: Path | None = None) -> tuple[EngineCaller, Callable[[], None]]:
+                  hysteresis: float = 0.02, policy: Path | None = None,
+                  reuse_len: int = 0) -> tuple[EngineCaller, Callable[[], None]]:
     """(an ``EngineCaller`` for ``gguf`` with ``method`` at ``budget``, the function that frees the model).
 
     The model must have its own tool-call protocol (native): under the instruction prompt every
-    reply is a call, so a turn could only end at the step limit."""
+    reply is a call, so a turn could only end at the step limit. ``reuse_len`` > 0: the steps run in
+    a one-slot pool of that many tokens with exact prefix reuse (``pask-local serve --slots 1``'s
+    path: a step prefills only what its prompt adds to the previous one, with outputs equal to a
+    fresh prefill's); 0: each step in a fresh context."""
     from ..chat.protocol import resolve_style
     from ..engine import Engine, EngineConfig, make_method
     from ..llm import Model
@@ -416,7 +422,20 @@ def engine_caller(gguf: Path, method: str = "full", budget: float = 0.33, max_to
         engine = Engine(model, m, EngineConfig(budget=budget, max_tokens=max_tokens,
                                                style=ENGINE_STYLES[prompt_style], flash_attn=flash_attn,
                                                kv_type=kv_type, hysteresis=hysteresis))
+        pool = None
+        if reuse_len > 0:
+            from ..engine.pool import SlotPool
+
+            slot_len = min(reuse_len, model.n_ctx_train)
+            pool = SlotPool(model, SlotPool.layout_for(model, m, budget, slot_len, slots=1, kv_type=kv_type),
+                            flash_attn=flash_attn, reuse="exact")
     except BaseException:
         model.close()
         raise
-    return EngineCaller(engine), model.close
+
+    def close() -> None:
+        if pool is not None:
+            pool.close()
+        model.close()
+
+    return EngineCaller(engine, pool), close

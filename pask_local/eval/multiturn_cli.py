@@ -52,6 +52,9 @@ def multiturn_command(
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     kv_type: KvTypeOption = "f16",
+    reuse: Annotated[int, typer.Option("--reuse", help="Run the steps in a one-slot pool of N tokens with exact "
+                                       "prefix reuse (as `pask-local serve --slots 1`): each step prefills only "
+                                       "what it adds; 0: each step in a fresh context.")] = 0,
 ) -> None:
     """Play BFCL multi-turn conversations; score them with BFCL's multi-turn checker (and per turn)."""
     from ..methods import METHOD_NAMES
@@ -72,6 +75,8 @@ def multiturn_command(
         raise PaskError(f"--max-steps must be at least 1, got {max_steps}")
     if max_turns is not None and max_turns < 1:
         raise PaskError(f"--max-turns must be at least 1, got {max_turns}")
+    if reuse < 0:
+        raise PaskError(f"--reuse must be 0 or a token count, got {reuse}")
     check_split(split)
     check_device_options(ngl, 0.02, kv_type)
     convs = select_conversations(_split_list(categories), split, limit, _split_list(ids) if ids else None)
@@ -80,9 +85,9 @@ def multiturn_command(
     path = resolve_model(gguf, model)
     run_budget = None if method == "full" else budget
     settings = {"gguf": str(path), "method": method, "budget": run_budget, "max_tokens": max_tokens,
-                "prompt_style": prompt_style, "kv_type": kv_type, "policy": str(policy) if policy else None}
+                "prompt_style": prompt_style, "kv_type": kv_type, "policy": str(policy) if policy else None, "reuse": reuse}
     caller, close = engine_caller(path, method, budget, max_tokens, prompt_style, ngl, flash_attn, kv_type,
-                                  policy=policy)
+                                  policy=policy, reuse_len=reuse)
     try:
         records = run_multiturn(convs, caller, out, method=method, budget=run_budget, settings=settings,
                                 max_steps=max_steps, max_turns=max_turns,
