@@ -155,7 +155,7 @@ def prefix_file(qwen05_model, tmp_path_factory) -> Path:
     from pask_local.prefix.build import compress, save
 
     path = tmp_path_factory.mktemp("prefix") / "tools.pkv"
-    c = compress(_engine(qwen05_model, DEFAULT_METHOD), _tools(), None)
+    c = compress(_engine(qwen05_model, DEFAULT_METHOD), _tools(), [])
     assert c.held <= 0.34 * c.full  # the budget holds over the prefix
     save(path, c)
     return path
@@ -190,7 +190,7 @@ def test_full_kv_prefix_gives_the_fresh_call(qwen05_model, tmp_path):
     from pask_local.prefix.build import compress, save
 
     path = tmp_path / "full.pkv"
-    save(path, compress(_engine(qwen05_model, "full"), _tools(), None))
+    save(path, compress(_engine(qwen05_model, "full"), _tools(), []))
     _, res, engine, prepared = _run(qwen05_model, path, "full", None)
     fresh = engine.execute(prepared)
     assert res.stats["prefix_reused"] > 0

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import PaskError
-from ..methods.registry import METHOD_NAMES
+from ..methods.registry import METHOD_NAMES, QUERY_AGNOSTIC
 from .data import Case
 from .prompting import ENGINE_STYLES, Task, checker_text, make_task, task_plan
 
-KNOWN_METHODS: tuple[str, ...] = METHOD_NAMES  # the registry's (methods.registry)
+ONCE = "once:"  # a query-agnostic method compressed once per prefix (eval.prefix_once)
+# the registry's (methods.registry), and each query-agnostic one compressed once
+KNOWN_METHODS: tuple[str, ...] = METHOD_NAMES + tuple(ONCE + n for n in QUERY_AGNOSTIC)
 
 
 @dataclass
@@ -94,6 +96,10 @@ def check_methods(names: list[str]) -> list[str]:
 
 def make_generator(method: str, spec: GeneratorSpec) -> Generator:
     check_methods([method])
+    if method.startswith(ONCE):
+        from .prefix_once import PrefixOnceGenerator
+
+        return PrefixOnceGenerator(method.removeprefix(ONCE), spec)
     if method == "full":
         return FullKVGenerator(spec)
     return EngineGenerator(method, spec)
@@ -257,7 +263,7 @@ class SharedPrefillGenerator:
         self.model = Model(spec.gguf)
         self.engines: dict[Run, Any] = {}
         for method, budget in runs:
-            if budget is None:
+            if budget is None or method.startswith(ONCE):
                 continue
             m = spec.method(method, self.model)
             if shares_prefill(m) and not m.keeps_all:

@@ -166,7 +166,8 @@ def render_tokens(model: Model, task: Task, style: str) -> list[int]:
     if fmt is None:
         request: str | list[Message] = messages
         if len(messages) == 1 and messages[0].role == "user":
-            request = messages[0].content or ""
+            # the instruction prompt refuses an empty request: a catalog count measures with a stand-in
+            request = messages[0].content or "?"
         return render_prompt(model, tools, request, examples=task.examples, parallel=task.parallel,
                              style=rendering).tokens
     template = model.chat_template()

@@ -97,7 +97,7 @@ def runs_of(methods: list[str], budgets: list[float]) -> list[tuple[str, float |
     """(method, budget) pairs: full once (no budget), every other method at every budget."""
     runs: list[tuple[str, float | None]] = []
     for m in check_methods(methods):
-        runs += [(m, None)] if m == "full" else [(m, b) for b in budgets]
+        runs += [(m, None)] if m in ("full", "once:full") else [(m, b) for b in budgets]
     return runs
 
 

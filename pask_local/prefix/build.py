@@ -42,14 +42,30 @@ def template_digest(model: Model) -> str:
     return sha256_text(model.chat_template() or "")
 
 
-def _messages(system: str | None, user: str) -> list[dict[str, Any]]:
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+Head = list[Any]  # the messages before the user's turn (a system prompt, earlier turns): dicts or Messages
+Examples = list[tuple[str, str]] | None  # the few-shot examples a prompt may carry (``Engine.prepare``)
 
 
-def find_prefix(engine: Engine, tools: list[ToolSpec], system: str | None) -> Prompt:
-    """The tokens (with their classes) every request with these tools and system prompt starts with."""
-    prompts = [engine.prepare(_messages(system, u), tools, choice, parallel=par).plan.prompt
-               for u in _USER_TEXTS for choice in ("auto", "required") for par in (False, True)]
+def head_of(system: str | None) -> Head:
+    """The head of a request whose only message before the user's is ``system`` (or none)."""
+    return [{"role": "system", "content": system}] if system else []
+
+
+def head_digest(head: Head) -> str:
+    return sha256_json([m if isinstance(m, dict) else dataclasses.asdict(m) for m in head])
+
+
+def _with_user(head: Head, user: str) -> Head:
+    return [*head, {"role": "user", "content": user}]
+
+
+def find_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: Examples = None,
+                parallel: bool = False) -> Prompt:
+    """The tokens (with their classes) every request with these tools, head and examples starts with,
+    whatever its question and tool choice (the instruction prompt's header says whether a list of
+    calls is allowed: ``parallel`` must be the requests')."""
+    prompts = [engine.prepare(_with_user(head, u), tools, choice, parallel=parallel, examples=examples).plan.prompt
+               for u in _USER_TEXTS for choice in ("auto", "required")]
     first = prompts[0]
     n = len(first.tokens)
     for p in prompts[1:]:
@@ -78,14 +94,14 @@ class Compressed:
     full: int             # entries Full KV holds for the prefix (all layers)
 
 
-def compress(engine: Engine, tools: list[ToolSpec], system: str | None, policy_sha256: str | None = None,
-             extra: dict[str, Any] | None = None) -> Compressed:
+def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: str | None = None,
+             extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False) -> Compressed:
     """Prefill the prefix alone and compress it with ``engine``'s method at its budget."""
     method, model, cfg = engine.method, engine.model, engine.cfg
     check_query_agnostic(method.name)
-    prefix = find_prefix(engine, tools, system)
+    prefix = find_prefix(engine, tools, head, examples, parallel)
     n = len(prefix.tokens)
-    base = engine.prepare(_messages(system, _USER_TEXTS[0]), tools, "auto", parallel=True)
+    base = engine.prepare(_with_user(head, _USER_TEXTS[0]), tools, "auto", parallel=parallel, examples=examples)
     prepared = Prepared(dataclasses.replace(base.plan, prompt=prefix), "", n + 1, GREEDY)
     solo = Engine(model, method, dataclasses.replace(cfg, max_tokens=0))
     pool = SlotPool(model, SlotPool.layout_for(model, method, cfg.budget, n + 1, slots=1, kv_type=cfg.kv_type),
@@ -103,7 +119,7 @@ def compress(engine: Engine, tools: list[ToolSpec], system: str | None, policy_s
     header = PrefixHeader(
         model_sha256=file_sha256(Path(model.path)), model_name=Path(model.path).name, n_layer=model.n_layer,
         upstream=_upstream(), template_sha256=template_digest(model), style=prefix.style,
-        tools_sha256=tools_digest(tools), system_sha256=sha256_text(system or ""), method=method.name,
+        tools_sha256=tools_digest(tools), system_sha256=head_digest(head), method=method.name,
         budget=None if method.keeps_all else cfg.budget, policy_sha256=policy_sha256, kv_type=cfg.kv_type,
         tokens=list(prefix.tokens), classes=[c.value for c in prefix.classes], kept=kept,
         state_kind=kv_state.kind_of(pool.ctx), extra=extra or {})
@@ -147,15 +163,15 @@ def open_file(path: Path, model: Model) -> tuple[PrefixHeader, bytes]:
     return header, blob
 
 
-def pin(path: Path, header: PrefixHeader, blob: bytes, model: Model, method: str, budget: float | None,
-        kv_type: str, tools: list[ToolSpec] | None = None, system: str | None = None) -> Pinned:
+def pin(path: Path | str, header: PrefixHeader, blob: bytes, model: Model, method: str, budget: float | None,
+        kv_type: str, tools: list[ToolSpec] | None = None, head: Head | None = None) -> Pinned:
     """Check an opened file against what it will be used with; a ``Pinned`` prefix for a pool.
-    ``budget``: None for Full KV. ``tools``/``system``: the request's (None: not known here; the pool
+    ``budget``: None for Full KV. ``tools``/``head``: the request's (None: not known here; the pool
     matches each prompt's tokens)."""
-    name = path.name
+    name = Path(path).name
     if tools is not None and header.tools_sha256 != tools_digest(tools):
         raise PrefixFileError(f"prefix file {name} was made for another tool list")
-    if system is not None and header.system_sha256 != sha256_text(system):
+    if head is not None and header.system_sha256 != head_digest(head):
         raise PrefixFileError(f"prefix file {name} was made with another system prompt")
     if header.method != method or header.budget != budget:
         at = "" if header.budget is None else f" at budget {header.budget}"

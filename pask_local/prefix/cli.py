@@ -29,6 +29,8 @@ def compress_command(
                                                 show_default=False)] = None,
     prompt_style: Annotated[str, typer.Option("--prompt-style", help="native, plain or auto (as `run`).")
                             ] = "auto",
+    parallel: Annotated[bool, typer.Option("--parallel", help="For requests that allow a list of calls (`run "
+                                           "--parallel`; the instruction prompt's header differs).")] = False,
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     kv_type: KvTypeOption = "f16",
@@ -44,7 +46,7 @@ def compress_command(
     from ..models import resolve_model
     from ..run_cli import PROMPT_STYLES
     from ..schema.tools import read_tools
-    from .build import check_query_agnostic, compress, save
+    from .build import check_query_agnostic, compress, head_of, save
 
     method = default_run_method(method, policy)
     check_query_agnostic(method)
@@ -67,7 +69,8 @@ def compress_command(
     policy_sha = hashlib.sha256(policy.read_bytes()).hexdigest() if policy is not None else None
     typer.echo(f"compressing the prefix ({len(specs)} tools) with {method}"
                + ("" if method == "full" else f" at budget {budget}") + " ...", err=True)
-    c = compress(engine, specs, sys_text, policy_sha, extra={"tools": [t.name for t in specs]})
+    c = compress(engine, specs, head_of(sys_text), policy_sha, extra={"tools": [t.name for t in specs]},
+                 parallel=parallel)
     size = save(out, c)
     report = {"out": str(out), "bytes": size, "prefix_tokens": c.header.n_prefix, "method": c.header.method,
               "budget": c.header.budget, "held_entries": c.held, "full_entries": c.full,

@@ -43,7 +43,7 @@ class PrefixHeader:
     template_sha256: str        # the chat template the prefix was rendered with
     style: str                  # the prompt style (native, plain)
     tools_sha256: str
-    system_sha256: str
+    system_sha256: str          # the messages before the user's turn (a system prompt), canonical JSON
     method: str
     budget: float | None        # None: Full KV
     policy_sha256: str | None
