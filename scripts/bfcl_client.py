@@ -37,6 +37,7 @@ from pask_local.eval.multiturn_env import Conversation
 
 EXE = str(Path(sys.executable).with_name("pask-local"))
 SLOT_LEN = 16384  # tokens of the server's one slot, and of the in-process pool's
+TEXT_KEPT = 200   # characters of a text reply the in-process record keeps (eval.multiturn)
 
 
 def start_server(model: str, method: str, budget: float, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
@@ -129,6 +130,33 @@ def run_bfcl(url: str, key: str, convs: list[Conversation], max_turns: int | Non
     return rows
 
 
+def bfcl_replies(row: dict) -> list | None:
+    """The model's replies as BFCL's runner recorded them: per turn, per step, its calls
+    ``[(name, arguments)]`` or its text."""
+    if not isinstance(row.get("result"), list):
+        return None
+    turns = []
+    for turn in row["result"]:
+        steps: list = []
+        for step in turn:
+            if isinstance(step, list):
+                steps.append([(name, json.loads(args)) for call in step for name, args in call.items()])
+            else:
+                steps.append(str(step)[:TEXT_KEPT].strip())
+        turns.append(steps)
+    return turns
+
+
+def local_replies(rec: dict) -> list:
+    """The same, from an in-process record (``eval.multiturn``)."""
+    turns = []
+    for turn in rec["turns"]:
+        calls = iter(turn["calls"])
+        turns.append([[(c["name"], c["arguments"]) for c in next(calls)] if r["n_calls"] else
+                      (r["content"] or "").strip()[:TEXT_KEPT] for r in turn["replies"]])
+    return turns
+
+
 def read_bfcl(out: Path, convs: list[Conversation]) -> list[dict]:
     """The BFCL-runner verdicts already in ``OUT/bfcl_client.jsonl`` for ``convs`` (in their order)."""
     path = out / "bfcl_client.jsonl"
@@ -189,15 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     except PaskError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print("| conversation | BFCL runner via serve | in-process |\n|---|---|---|")
+    print("| conversation | BFCL runner via serve | in-process | same replies |\n|---|---|---|---|")
     for r in bfcl:
         mine = local.get(r["id"])
+        same = "-" if mine is None else ("yes" if bfcl_replies(r) == local_replies(mine) else "no")
         print(f"| {r['id']} | {'correct' if r['correct'] else 'wrong'} | "
-              f"{'-' if mine is None else ('correct' if mine['correct'] else 'wrong')} |")
+              f"{'-' if mine is None else ('correct' if mine['correct'] else 'wrong')} | {same} |")
     summary = {"model": args.model, "method": args.method, "conversations": len(bfcl),
                "max_turns": args.max_turns, "bfcl_client_correct": sum(r["correct"] for r in bfcl),
                "in_process_correct": sum(r["correct"] for r in local.values()) if local else None,
-               "agree": sum(local[r["id"]]["correct"] == r["correct"] for r in bfcl) if local else None}
+               "agree": sum(local[r["id"]]["correct"] == r["correct"] for r in bfcl) if local else None,
+               # the stronger check: every reply (each step's calls or text) the same on both paths
+               "same_replies": sum(bfcl_replies(r) == local_replies(local[r["id"]]) for r in bfcl) if local else None,
+               "turns": sum(r["turns"] for r in bfcl),
+               "steps": sum(len(t) for r in bfcl for t in (bfcl_replies(r) or [])),
+               "calls": sum(len(step) for r in bfcl for t in (bfcl_replies(r) or []) for step in t
+                            if isinstance(step, list))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 0

@@ -80,12 +80,21 @@ def added_functions_prompt() -> str:
 
 
 def openai_tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """BFCL function docs (Gorilla schema, ``"type": "dict"``) as OpenAI tools with JSON Schema
-    parameters: the normalisation ``pask-local run`` and ``eval`` apply (``schema.tools``)."""
+    """BFCL function docs (Gorilla schema, ``"type": "dict"``) as OpenAI tools, converted by BFCL's own
+    ``convert_to_tool`` as its OpenAI-compatible handler sends them (float parameters, for one, gain
+    "This is a float type value." and ``"format": "float"``), then normalised as ``pask-local run``
+    and the server normalise tools (``schema.tools``): a model sees the prompt BFCL's runner gives it."""
+    import copy
+
+    from bfcl_eval.constants.enums import ModelStyle
+    from bfcl_eval.constants.type_mappings import GORILLA_TO_OPENAPI
+    from bfcl_eval.model_handler.utils import convert_to_tool
+
     from ..schema.tools import as_tools
     from ..tagging.native import openai_tool
 
-    return [openai_tool(t) for t in as_tools(functions)]
+    converted = convert_to_tool(copy.deepcopy(functions), GORILLA_TO_OPENAPI, ModelStyle.OPENAI_COMPLETIONS)
+    return [openai_tool(t) for t in as_tools(converted)]
 
 
 def select_conversations(categories: list[str], split: str = "all", limit: int | None = None,
