@@ -194,7 +194,8 @@ def pin(path: Path | str, header: PrefixHeader, blob: bytes, model: Model, metho
     return Pinned(tuple(header.tokens), header.method, header.budget, restore)
 
 
-def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: str | Path | None = None) -> Any:
+def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: str | Path | None = None,
+                    on_token: Any = None) -> Any:
     """Run one prepared request whose prompt starts with ``pinned``'s prefix: a one-slot pool
     restores the prefix and prefills only the rest (``EngineResult``)."""
     cfg = engine.cfg
@@ -203,7 +204,7 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
                                                       kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
         pool.pin(pinned)
-        return pool.submit(engine, prepared, trace=trace).result()
+        return pool.submit(engine, prepared, on_token, trace=trace).result()
     finally:
         pool.close()
 
