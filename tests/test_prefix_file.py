@@ -297,7 +297,9 @@ def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefi
                     model="q", messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
                     tools=TOOLS, tool_choice="required", max_tokens=48)
                 assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
-            n_prefix = len(json.loads(_header_json(prefix_file))["tokens"])
+                n_prefix = len(json.loads(_header_json(prefix_file))["tokens"])
+                assert r.usage.prompt_tokens_details.cached_tokens == n_prefix
+                assert r.model_extra["pask"]["prefix_source"] == "prefix"
             assert srv.pool.stats()["reused_prompt_tokens"] == 2 * n_prefix
     finally:
         srv.close()

@@ -363,7 +363,7 @@ class Server:
             raise failure
         s = result.stats
         body = completion_body(completion_id(), now(), req.model, result.message.to_openai(), finish_reason(result),
-                               usage(s["n_prompt"], s["n_gen"]), s)
+                               usage(s), s)
         return JSONResponse(body)
 
     async def _stream(self, future: Future[EngineResult], req: ChatRequest, prepared: Prepared,
@@ -415,7 +415,7 @@ class Server:
         last["pask"] = pask_stats(result.stats)  # the extension, as in a non-streamed response
         yield sse(last)
         if req.include_usage:
-            yield sse(usage_chunk(cid, created, req.model, usage(result.stats["n_prompt"], result.stats["n_gen"])))
+            yield sse(usage_chunk(cid, created, req.model, usage(result.stats)))
         yield SSE_DONE
 
     async def models(self, request: Request) -> Response:

@@ -265,8 +265,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+def usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens not prefilled (a reused or restored prefix)."""
+    n_prompt, n_gen = int(stats["n_prompt"]), int(stats["n_gen"])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("prefix_reused") or 0)}}
 
 
 def pask_stats(stats: dict[str, Any]) -> dict[str, Any]:
@@ -275,11 +278,12 @@ def pask_stats(stats: dict[str, Any]) -> dict[str, Any]:
             "kv_entries_held": int(sum(stats["held_per_group"])),
             "kv_entries_full": int(sum(stats["full_per_group"])),
             "budget_used_final": stats["budget_used_final"],
-            "prefill_ms": stats["prefill_ms"], "ms_per_token": stats["ms_per_token"]}
+            "prefill_ms": stats["prefill_ms"], "ms_per_token": stats["ms_per_token"],
+            "prefix_source": stats.get("prefix_source") or None}
 
 
 def completion_body(cid: str, created: int, model: str, message: dict[str, Any], finish_reason: str,
-                    use: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
+                    use: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
             "usage": use, "pask": pask_stats(stats)}
@@ -295,7 +299,7 @@ def chunk_body(cid: str, created: int, model: str, delta: dict[str, Any], finish
     return out
 
 
-def usage_chunk(cid: str, created: int, model: str, use: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(cid: str, created: int, model: str, use: dict[str, Any]) -> dict[str, Any]:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
             "usage": use}
