@@ -120,3 +120,10 @@ def test_a_whole_prompt_method_shares_a_prefix_its_source_still_holds_whole(mode
         assert r.stats["n_gen"] > 0 and r.stats["max_over_budget_entries"] <= 0
         assert r.stats["budget_used_after_prefill"] <= 0.33 + 0.01
     assert compression(tmp_path / "pool-1.jsonl")  # it compressed the whole prompt itself
+    # the copied prefix is held whole until the question is read, as in a run of its own
+    (_, q2), = qs[1:]
+    (tmp_path / "own").mkdir()
+    own, _, _ = in_pool(model, [("snapkv", q2)], tmp_path / "own", slots=2)
+    assert results[1].stats["peak_prefill_entries"] == own[0].stats["peak_prefill_entries"]
+    assert results[1].stats["held_per_group"] == own[0].stats["held_per_group"]
+    assert results[1].tokens == own[0].tokens

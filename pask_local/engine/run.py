@@ -204,11 +204,14 @@ class Run:
 
     def _adopt_prefix(self, n: int) -> None:
         """The stream already holds prompt positions < n (what an earlier request with the same prefix
-        kept of them): keep what this request's plan keeps of those, as if it had prefilled them."""
+        kept of them): keep what this request's plan keeps of those, as if it had prefilled them (as
+        ``after_chunk`` does: a method that compresses after the whole prompt holds it until then)."""
         self.n_seq = n
         if self.evictor is None:
             return
         self.evictor.drop_window(n - 1, -1)
+        if self.whole:
+            return
         for il in range(self.n_layer):
             if self.planned is not None and self.planned[il] is not None:
                 self._evict_unplanned(self.evictor, il, self.stream.held(il))
