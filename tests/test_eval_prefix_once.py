@@ -46,3 +46,40 @@ def test_once_refuses_a_query_aware_method(tmp_path, cli):
     r = cli("eval", "--model", "gemma3-270m", "--categories", "simple_python", "--limit", "1",
             "--methods", "once:snapkv", "--out", str(tmp_path / "ev"))
     assert r.returncode == 1 and "unknown method 'once:snapkv'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
+    """SnapKV on a catalog group: the catalog is prefilled once, held whole, and every case reads its
+    own question on a copy of it, then compresses as a run of its own does: the same peak (the whole
+    prompt held) and budget as the case run alone from a fresh prefill."""
+    from pask_local.eval.catalog import apply_catalogs
+    from pask_local.eval.data import load_bundled
+    from pask_local.eval.generator import EngineGenerator, GeneratorSpec
+    from pask_local.eval.prefix_once import SharedCatalogGenerator
+    from pask_local.eval.prompting import prefix_counter
+    from pask_local.eval.split import split_of
+    from pask_local.llm import Model
+
+    pool = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
+    model = Model(qwen05_path)
+    try:
+        cases = apply_catalogs(pool[:2], pool, 900, prefix_counter(model, "native", False))
+    finally:
+        model.close()
+    spec = GeneratorSpec(qwen05_path, 0.33, max_tokens=32, use_examples=False, prompt_style="native",
+                         shared_catalog=True)
+    shared, alone = SharedCatalogGenerator("snapkv", spec), EngineGenerator("snapkv", spec)
+    try:
+        outs = [shared.generate(c) for c in cases]
+        ref = alone.generate(cases[1])
+    finally:
+        shared.close()
+        alone.close()
+    n = outs[0].extra["prefix_tokens"]
+    assert n > 700 and outs[0].n_reused == outs[1].n_reused == n
+    assert outs[0].extra["prefix_prefill_s"] > 0 and outs[1].extra["prefix_prefill_s"] == 0  # once per group
+    assert outs[1].extra["prefix_source"] == "prefix"
+    assert outs[1].extra["peak_prefill_entries"] == ref.extra["peak_prefill_entries"]  # held whole, then compressed
+    assert outs[1].extra["budget_used_after_prefill"] <= 0.33 + 0.01
+    assert outs[1].error is None and ref.error is None

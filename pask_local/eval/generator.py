@@ -70,6 +70,7 @@ class GeneratorSpec:
     compact: bool = True           # EngineConfig.compact (gather kept cells after a one-time compression)
     kv_type: str = "f16"           # EngineConfig.kv_type (K/V element type; quantized: flash attention)
     policy: Path | None = None     # a policy file for the methods that take one (engine POLICY_METHODS)
+    shared_catalog: bool = False   # whole-prompt methods prefill each catalog prefix once (eval.prefix_once)
 
     def method(self, name: str, model: Any) -> Any:
         """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""
@@ -102,7 +103,17 @@ def make_generator(method: str, spec: GeneratorSpec) -> Generator:
         return PrefixOnceGenerator(method.removeprefix(ONCE), spec)
     if method == "full":
         return FullKVGenerator(spec)
+    if spec.shared_catalog and _prefills_whole(method):
+        from .prefix_once import SharedCatalogGenerator
+
+        return SharedCatalogGenerator(method, spec)
     return EngineGenerator(method, spec)
+
+
+def _prefills_whole(method: str) -> bool:
+    from ..methods.registry import REGISTRY, PrefillMode
+
+    return REGISTRY[method].prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
 
 
 def _failed(error: str, t0: float, n_prompt: int = 0) -> GenerationOutput:

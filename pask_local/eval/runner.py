@@ -201,7 +201,22 @@ GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int) -> GeneratorSpec:
     return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
-                         kv_type=cfg.kv_type, policy=cfg.policy)
+                         kv_type=cfg.kv_type, policy=cfg.policy, shared_catalog=cfg.catalog_tokens is not None)
+
+
+def _share_across_methods(cfg: EvalConfig, cases: list[Case], pending: dict) -> bool:
+    """One prefill per case for the pending whole-prompt runs (``_run_shared``), unless a catalog
+    workload makes one prefill per (run, group) cheaper (``eval.prefix_once.SharedCatalogGenerator``)."""
+    from .generator import _prefills_whole
+
+    runs = [r for r in pending if pending[r] and r[1] is not None and not r[0].startswith("once:")]
+    if len(runs) < 2:
+        return False
+    if cfg.catalog_tokens is None:
+        return True
+    whole = [r for r in runs if _prefills_whole(r[0])]
+    groups = {(c.meta or {}).get("group", c.id) for c in cases}
+    return len(whole) * len(groups) >= len(cases)
 
 
 def _split_pool(cfg: EvalConfig) -> list[Case]:
@@ -295,7 +310,7 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=total == 0) as progress:
         task = progress.add_task("eval", total=total)
-        if cfg.share_prefill and meter is None and sum(1 for r in runs if r[1] is not None and pending[r]) > 1:
+        if cfg.share_prefill and meter is None and _share_across_methods(cfg, cases, pending):
             _run_shared(cfg, cases, pending, store, progress, task, n_ctx)
         for (method, budget), todo in pending.items():
             if not todo:

@@ -13,12 +13,13 @@ checked against the positions the header lists, then the request's own prompt co
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.core import Engine, Prepared
+from ..engine.core import Engine, Prepared, prefills_whole
 from ..engine.pool import Pinned, SlotPool
 from ..errors import PaskError
 from ..grammar.sampling import GREEDY
@@ -94,11 +95,11 @@ class Compressed:
     full: int             # entries Full KV holds for the prefix (all layers)
 
 
-def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: str | None = None,
-             extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False) -> Compressed:
-    """Prefill the prefix alone and compress it with ``engine``'s method at its budget."""
+def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: Examples = None,
+                   parallel: bool = False) -> tuple[Prompt, bytes, list[list[int]], float, str]:
+    """The prefix alone, prefilled (and compressed) by ``engine``'s method at its budget in a one-slot
+    pool: (the prefix, its saved state, the positions kept per layer, seconds, the state's kind)."""
     method, model, cfg = engine.method, engine.model, engine.cfg
-    check_query_agnostic(method.name)
     prefix = find_prefix(engine, tools, head, examples, parallel)
     n = len(prefix.tokens)
     base = engine.prepare(_with_user(head, _USER_TEXTS[0]), tools, "auto", parallel=parallel, examples=examples)
@@ -112,17 +113,26 @@ def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: s
         seconds = time.perf_counter() - t0
         if pool.cache.held(0) is None:
             raise PaskError("the compressed prefix was not kept (prefix cache off?)")
-        blob = kv_state.save(pool.ctx, 0)
-        kept = _positions(pool.ctx, 0, n, model.n_layer)
+        return prefix, kv_state.save(pool.ctx, 0), _positions(pool.ctx, 0, n, model.n_layer), seconds, \
+            kv_state.kind_of(pool.ctx)
     finally:
         pool.close()
+
+
+def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: str | None = None,
+             extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False) -> Compressed:
+    """Prefill the prefix alone and compress it with ``engine``'s (query-agnostic) method at its budget."""
+    method, model, cfg = engine.method, engine.model, engine.cfg
+    check_query_agnostic(method.name)
+    prefix, blob, kept, seconds, kind = prefill_prefix(engine, tools, head, examples, parallel)
+    n = len(prefix.tokens)
     header = PrefixHeader(
         model_sha256=file_sha256(Path(model.path)), model_name=Path(model.path).name, n_layer=model.n_layer,
         upstream=_upstream(), template_sha256=template_digest(model), style=prefix.style,
         tools_sha256=tools_digest(tools), system_sha256=head_digest(head), method=method.name,
         budget=None if method.keeps_all else cfg.budget, policy_sha256=policy_sha256, kv_type=cfg.kv_type,
         tokens=list(prefix.tokens), classes=[c.value for c in prefix.classes], kept=kept,
-        state_kind=kv_state.kind_of(pool.ctx), extra=extra or {})
+        state_kind=kind, extra=extra or {})
     return Compressed(header, blob, seconds, header.held(), n * model.n_layer)
 
 
@@ -199,8 +209,10 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
     """Run one prepared request whose prompt starts with ``pinned``'s prefix: a one-slot pool
     restores the prefix and prefills only the rest (``EngineResult``)."""
     cfg = engine.cfg
-    pool = SlotPool(engine.model, SlotPool.layout_for(engine.model, engine.method, cfg.budget,
-                                                      prepared.n_prompt + cfg.max_tokens, slots=1,
+    slot_len = prepared.n_prompt + cfg.max_tokens
+    if prefills_whole(engine.method):  # its slot holds the whole prompt before it compresses
+        slot_len = max(slot_len, math.ceil((prepared.n_prompt + 1) / cfg.budget))
+    pool = SlotPool(engine.model, SlotPool.layout_for(engine.model, engine.method, cfg.budget, slot_len, slots=1,
                                                       kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
         pool.pin(pinned)
