@@ -2,12 +2,13 @@
 
 ``find_prefix`` renders the request as the engine does with different user texts and tool choices
 and keeps the tokens they all share: what every request with these tools and system prompt starts
-with. ``compress`` prefills that prefix alone in a one-slot pool under a query-agnostic method
-(the kept entries cannot depend on a question that is not there), then saves the stream
-(``prefix.state``) with a header naming everything it depends on (``prefix.file``). ``load``
-checks a file against the model, method, budget, K/V type, template and tools it is used with and
-returns a ``Pinned`` prefix for a pool (``engine.prefix_cache``): restored into a request's stream,
-checked against the positions the header lists, then the request's own prompt continues from it.
+with. ``prefill_prefix`` prefills that prefix alone in a one-slot pool under the engine's method and
+saves the stream (``prefix.state``); ``compress`` does it for a query-agnostic method (the kept
+entries cannot depend on a question that is not there) and adds a header naming everything the
+state depends on (``prefix.file``). ``open_file`` checks a file against the model; ``pin`` against
+the method, budget, K/V type, tools and head it is used with, and returns a ``Pinned`` prefix for a
+pool (``engine.prefix_cache``): restored into a request's stream, checked against the positions the
+header lists, then the request's own prompt continues from it (``run_from_prefix``).
 """
 
 from __future__ import annotations
