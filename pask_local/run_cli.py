@@ -170,7 +170,7 @@ def run_command(
         pinned = pin(prefix, header, blob, model, engine.method.name,  # type: ignore[arg-type]
                      None if engine.method.keeps_all else budget, kv_type, tools)
         prepared = engine.prepare(msgs, tools, choice, parallel=parallel, sampling=sampling)
-        check_prompt(header, prepared.plan.prompt.tokens, prefix.name)  # type: ignore[arg-type]
+        check_prompt(header.tokens, prepared.plan.prompt.tokens, prefix.name)  # type: ignore[union-attr]
         result = run_from_prefix(engine, prepared, pinned, trace)
     else:
         result = engine.chat(msgs, tools, choice, parallel=parallel, trace=trace, sampling=sampling)

@@ -1,5 +1,5 @@
 """For the server's tests: a real server (a ``Server``'s app under uvicorn in a thread, on a free port of
-127.0.0.1), and a streamer's deltas gathered back into content and calls."""
+127.0.0.1), a streamer's deltas gathered back into content and calls, and two tools to ask about."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+# two OpenAI tools the server tests ask about (weather and time)
+WEATHER_TIME_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city.",
+        "parameters": {"type": "object", "properties": {
+            "location": {"type": "string", "description": "City name, e.g. Paris"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Get the local time in a time zone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "description": "IANA zone"}},
+                       "required": ["timezone"]}}},
+]
 
 
 @contextmanager

@@ -15,23 +15,14 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from serve_helpers import WEATHER_TIME_TOOLS as TOOLS
+from serve_helpers import serve_in_thread
 
 from pask_local.engine.prefix_cache import Pinned, PrefixCache
 from pask_local.errors import PaskError
 from pask_local.prefix import state as kv_state
 from pask_local.prefix.file import PrefixFileError, read, write
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather for a city.",
-        "parameters": {"type": "object", "properties": {
-            "location": {"type": "string", "description": "City name, e.g. Paris"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Get the local time in a time zone.",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "description": "IANA zone"}},
-                       "required": ["timezone"]}}},
-]
 QUESTION = "What is the weather in Paris in celsius?"
 
 
@@ -169,7 +160,7 @@ def _run(model, path, method, budget, question=QUESTION, tools=None):
     header, blob = open_file(path, model)
     pinned = pin(path, header, blob, model, method, budget, "f16", tools)
     prepared = engine.prepare([{"role": "user", "content": question}], tools, "required")
-    check_prompt(header, prepared.plan.prompt.tokens, path.name)
+    check_prompt(header.tokens, prepared.plan.prompt.tokens, path.name)
     return header, run_from_prefix(engine, prepared, pinned), engine, prepared
 
 
@@ -276,10 +267,9 @@ def test_cli_compress_run_and_refusals(prefix_file, tmp_path, cli):
 
 @pytest.mark.slow
 def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefix_file):
-    from serve_helpers import serve_in_thread
-
     from pask_local.engine.factory import DEFAULT_METHOD
     from pask_local.llm import Model
+    from pask_local.prefix.build import open_file
     from pask_local.server.app import Server, ServerConfig
     from pask_local.server.openai_io import Defaults
 
@@ -290,6 +280,7 @@ def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefi
     srv = Server(model, ServerConfig("q", Defaults(method=DEFAULT_METHOD, max_tokens=48), slots=2,
                                      max_context=1024, prefixes=(prefix_file,)))
     try:
+        n_prefix = open_file(prefix_file, model)[0].n_prefix
         with serve_in_thread(srv) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
             for city in ("Paris", "Oslo"):
@@ -297,16 +288,9 @@ def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefi
                     model="q", messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
                     tools=TOOLS, tool_choice="required", max_tokens=48)
                 assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
-                n_prefix = len(json.loads(_header_json(prefix_file))["tokens"])
                 assert r.usage.prompt_tokens_details.cached_tokens == n_prefix
                 assert r.model_extra["pask"]["prefix_source"] == "prefix"
             assert srv.pool.stats()["reused_prompt_tokens"] == 2 * n_prefix
     finally:
         srv.close()
         model.close()
-
-
-def _header_json(path: Path) -> bytes:
-    data = path.read_bytes()
-    n = int.from_bytes(data[12:20], "little")
-    return data[20:20 + n]

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from serve_helpers import WEATHER_TIME_TOOLS as TOOLS
 from serve_helpers import serve_in_thread
 
 from pask_local.engine.factory import DEFAULT_METHOD
@@ -23,17 +24,6 @@ from pask_local.engine.factory import DEFAULT_METHOD
 pytestmark = pytest.mark.slow
 
 MODEL_ID = "qwen2.5-coder-0.5b"
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather for a city.",
-        "parameters": {"type": "object", "properties": {
-            "location": {"type": "string", "description": "City name, e.g. Paris"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Get the local time in a time zone.",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "description": "IANA zone"}},
-                       "required": ["timezone"]}}},
-]
 FIRST = "What is the weather in Oslo in celsius, and what time is it there?"
 OTHERS = [f"What is the weather in {city}?" for city in
           ("Lima", "Cairo", "Perth", "Quito", "Seoul", "Dakar", "Hanoi", "Turin", "Omaha", "Bern")]

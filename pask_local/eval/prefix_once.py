@@ -28,9 +28,54 @@ from .data import Case
 from .generator import ONCE, EngineGenerator, GenerationOutput, GeneratorSpec, _engine_output, _failed
 from .prompting import make_task
 
+Prefix = tuple[list[int], Any, float, dict[str, Any]]  # tokens, the Pinned prefix, seconds to build, stats
 
-class PrefixOnceGenerator:
+
+class _FromPrefixes:
+    """What both generators share: one prefix per distinct (tools, head, examples, call shape), built
+    once by ``_build``, and every case run from a restored copy of its prefix (``run_from_prefix``)."""
+
+    engine: Any
+    spec: GeneratorSpec
+    seconds_key: str  # the stat naming how the prefix was built (on its first case; 0 on the others)
+    _prefixes: dict[str, Prefix]  # by key: each subclass's __init__ starts it empty
+
+    def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
+        raise NotImplementedError
+
+    def _from_prefix(self, case: Case) -> GenerationOutput:
+        from ..prefix.build import check_prompt, run_from_prefix
+        from ..schema.tools import as_tools
+
+        t0 = time.perf_counter()
+        task = make_task(case, self.spec.use_examples)
+        msgs = task.conversation()
+        prefixes = self._prefixes
+        try:
+            tools = as_tools(task.functions)
+            head = list(msgs[:-1])
+            key = json.dumps([task.functions, [repr(m) for m in head], task.examples, task.parallel],
+                             sort_keys=True, default=str)
+            first = key not in prefixes
+            if first:
+                prefixes[key] = self._build(tools, head, task.examples, task.parallel)
+            tokens, pinned, seconds, stats = prefixes[key]
+            prepared = self.engine.prepare(msgs, tools, "required", parallel=task.parallel, examples=task.examples)
+            check_prompt(tokens, prepared.plan.prompt.tokens, "its catalog group")
+            res = run_from_prefix(self.engine, prepared, pinned)
+        except PaskError as exc:
+            return _failed(f"{type(exc).__name__}: {exc}", t0)
+        out = _engine_output(res, time.perf_counter() - t0)
+        out.n_reused = len(tokens)
+        out.extra.update({"prefix_tokens": len(tokens), **stats,
+                          self.seconds_key: round(seconds, 3) if first else 0.0})
+        return out
+
+
+class PrefixOnceGenerator(_FromPrefixes):
     """Generates with ``base`` (a query-agnostic method) from prefixes compressed once."""
+
+    seconds_key = "prefix_compress_s"
 
     def __init__(self, base: str, spec: GeneratorSpec) -> None:
         from ..engine import Engine
@@ -46,56 +91,32 @@ class PrefixOnceGenerator:
         self.spec = spec
         self.model = Model(spec.gguf)
         self.engine = Engine(self.model, spec.method(base, self.model), spec.engine_config(spec.budget or 1.0))
-        self._prefixes: dict[str, tuple[Any, Any, float]] = {}  # key -> (header, pinned, compress seconds)
+        self._prefixes = {}
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens,
                 "compressed_once": True}
 
-    def _prefix(self, key: str, tools: list[Any], head: list[Any], examples: Any,
-                parallel: bool) -> tuple[Any, Any, float, bool]:
+    def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         from ..prefix.build import compress, pin
 
-        got = self._prefixes.get(key)
-        if got is not None:
-            return (*got, False)
         c = compress(self.engine, tools, head, examples=examples, parallel=parallel)
         budget = None if self.base == "full" else self.budget
         pinned = pin("eval-prefix", c.header, c.state, self.model, self.base, budget, self.spec.kv_type)
-        self._prefixes[key] = (c.header, pinned, c.prefill_s)
-        return c.header, pinned, c.prefill_s, True
+        h = c.header
+        return h.tokens, pinned, c.prefill_s, {"prefix_held_share": round(h.held() / (h.n_prefix * h.n_layer), 4)}
 
     def generate(self, case: Case) -> GenerationOutput:
-        from ..prefix.build import check_prompt, run_from_prefix
-        from ..schema.tools import as_tools
-
-        t0 = time.perf_counter()
-        task = make_task(case, self.spec.use_examples)
-        msgs = task.conversation()
-        try:
-            tools = as_tools(task.functions)
-            head = list(msgs[:-1])
-            key = json.dumps([case.tools or case.functions, [repr(m) for m in head], task.examples,
-                              task.parallel], sort_keys=True, default=str)
-            header, pinned, compress_s, first = self._prefix(key, tools, head, task.examples, task.parallel)
-            prepared = self.engine.prepare(msgs, tools, "required", parallel=task.parallel, examples=task.examples)
-            check_prompt(header, prepared.plan.prompt.tokens, "the compressed prefix")
-            res = run_from_prefix(self.engine, prepared, pinned)
-        except PaskError as exc:
-            return _failed(f"{type(exc).__name__}: {exc}", t0)
-        out = _engine_output(res, time.perf_counter() - t0)
-        out.n_reused = header.n_prefix
-        out.extra.update({"prefix_tokens": header.n_prefix,
-                          "prefix_held_share": round(header.held() / (header.n_prefix * header.n_layer), 4),
-                          "prefix_compress_s": round(compress_s, 3) if first else 0.0})
-        return out
+        return self._from_prefix(case)
 
     def close(self) -> None:
         self.model.close()
 
 
-class SharedCatalogGenerator(EngineGenerator):
+class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
     """A whole-prompt method whose catalog prefix is prefilled once per group (module doc)."""
+
+    seconds_key = "prefix_prefill_s"
 
     def __init__(self, method: str, spec: GeneratorSpec) -> None:
         import dataclasses
@@ -105,46 +126,17 @@ class SharedCatalogGenerator(EngineGenerator):
         super().__init__(method, spec)
         # the same method, holding everything: what a prefill of the prefix alone leaves
         self.holder = Engine(self.model, self.engine.method, dataclasses.replace(self.engine.cfg, budget=1.0))
-        self._prefixes: dict[str, tuple[Any, Any, float]] = {}
+        self._prefixes = {}
 
-    def _prefix(self, key: str, tools: list[Any], head: list[Any], examples: Any,
-                parallel: bool) -> tuple[Any, Any, float, bool]:
+    def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         from ..engine.pool import Pinned
         from ..prefix import state as kv_state
         from ..prefix.build import prefill_prefix
 
-        got = self._prefixes.get(key)
-        if got is not None:
-            return (*got, False)
         prefix, blob, _, seconds, _ = prefill_prefix(self.holder, tools, head, examples, parallel)
         pinned = Pinned(tuple(prefix.tokens), self.engine.method.name, self.budget,
                         lambda ctx, seq: kv_state.restore(ctx, seq, blob))
-        self._prefixes[key] = (prefix, pinned, seconds)
-        return prefix, pinned, seconds, True
+        return list(prefix.tokens), pinned, seconds, {}
 
     def generate(self, case: Case) -> GenerationOutput:
-        if case.tools is None:
-            return super().generate(case)
-        from ..prefix.build import run_from_prefix
-        from ..schema.tools import as_tools
-
-        t0 = time.perf_counter()
-        task = make_task(case, self.spec.use_examples)
-        msgs = task.conversation()
-        try:
-            tools = as_tools(task.functions)
-            head = list(msgs[:-1])
-            key = json.dumps([case.tools, [repr(m) for m in head], task.examples, task.parallel],
-                             sort_keys=True, default=str)
-            prefix, pinned, prefill_s, first = self._prefix(key, tools, head, task.examples, task.parallel)
-            prepared = self.engine.prepare(msgs, tools, "required", parallel=task.parallel, examples=task.examples)
-            n = len(prefix.tokens)
-            if list(prepared.plan.prompt.tokens[:n]) != list(prefix.tokens) or prepared.n_prompt <= n:
-                raise PaskError("the case's prompt does not start with its group's catalog prefix")
-            res = run_from_prefix(self.engine, prepared, pinned)
-        except PaskError as exc:
-            return _failed(f"{type(exc).__name__}: {exc}", t0)
-        out = _engine_output(res, time.perf_counter() - t0)
-        out.n_reused = n
-        out.extra.update({"prefix_tokens": n, "prefix_prefill_s": round(prefill_s, 3) if first else 0.0})
-        return out
+        return super().generate(case) if case.tools is None else self._from_prefix(case)

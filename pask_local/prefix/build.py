@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,9 +223,9 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
         pool.close()
 
 
-def check_prompt(header: PrefixHeader, prompt_tokens: list[int], name: str) -> None:
-    """One line unless the request's prompt starts with the file's prefix and goes on past it."""
-    n = header.n_prefix
-    if len(prompt_tokens) <= n or list(prompt_tokens[:n]) != header.tokens:
+def check_prompt(prefix: Sequence[int], prompt_tokens: Sequence[int], name: str) -> None:
+    """One line unless the request's prompt starts with the ``prefix`` tokens (of ``name``) and goes on past it."""
+    n = len(prefix)
+    if len(prompt_tokens) <= n or list(prompt_tokens[:n]) != list(prefix):
         raise PrefixFileError(f"the prompt does not start with the prefix in {name} (another system prompt, tool "
                               f"list or prompt style)")
