@@ -35,6 +35,7 @@ from ..methods.pask import class_indices
 from ..tagging.prompt import Prompt
 from .evictor import Evictor, NativeEvictor, ReferenceEvictor
 from .kv_stream import KVStream, full_size, grown, slot_prompt_room
+from .prescore import prompt_scores
 from .run_report import RunClock, RunTrace, run_stats
 from .trace import TraceWriter
 from .types import EngineConfig, EngineResult, SlotSpec, TokenHook
@@ -104,6 +105,7 @@ class Run:
     def __init__(self, engine: EngineParts, prompt: Prompt, n_ctx: int, trace: TraceWriter,
                  slot: SlotSpec | None = None, sampling: Sampling = GREEDY) -> None:
         self.e = engine
+        self._score_s = 0.0  # seconds of a scoring pass (``_prompt_scores``)
         self.sampling = sampling
         self.model = engine.model
         self.method = engine.method
@@ -116,7 +118,8 @@ class Run:
                   if self.method.reads_prompt_text else None)
         self.all_classes = [int(c) for c in class_indices(prompt.classes)]
         # this request's rules (capacities, quotas, priorities): the method object itself is shared
-        self.mplan = self.method.bind(cfg.budget, np.asarray(self.all_classes), n_layer, pieces)
+        self.mplan = self.method.bind(cfg.budget, np.asarray(self.all_classes), n_layer, pieces,
+                                      **self._prompt_scores(slot))
         self.mode = self.method.prefill_mode
         caps = list(self.mplan.capacities)
         if self.method.scales_swa_capacity:
@@ -151,7 +154,7 @@ class Run:
         rule = "score" if self.needs_attn else "policy"
         if self.full:
             pass
-        elif cfg.native_step:
+        elif cfg.native_step and self.method.native_step:
             self.evictor = NativeEvictor(self.stream, self.trace, caps, n_prompt, swa, window, self.mplan,
                                          self.all_classes, max_len, rule, cfg.hysteresis,
                                          self.stat if self.scores_each_decode else -1)
@@ -159,6 +162,26 @@ class Run:
             self.evictor = ReferenceEvictor(self.stream, self.trace, caps, n_prompt, swa, window, self.mplan,
                                             self.all_classes, max_len, rule, self.needs_attn,
                                             self.scores_each_decode, self.stat)
+
+    def _prompt_scores(self, slot: SlotSpec | None) -> dict:
+        """``bind``'s scores for a method that declares a scoring pass (``engine.prescore``): run on
+        the part before the user's turn unless the stream already holds it (a restored prefix)."""
+        if not self.method.prompt_scorer:
+            return {}
+        classes = np.asarray(self.all_classes)
+        end = self.method.obs_end(classes)  # type: ignore[attr-defined]
+        if slot is not None and slot.reuse >= end:
+            # the stream holds that part already (a restored or reused, compressed prefix): what it
+            # kept ranks first; nothing evicted from it comes back
+            held = [np.zeros(self.n_prompt) for _ in range(self.n_layer)]
+            for il, layer in enumerate(held):
+                pos = np.asarray(slot.ctx.positions(il, slot.seq_id), dtype=np.int64)  # type: ignore[attr-defined]
+                layer[pos[pos < self.n_prompt]] = 1.0
+            return {"scores": held, "pooled": False}
+        t0 = time.perf_counter()
+        scores = prompt_scores(self.model, self.method, list(self.prompt.tokens), end, self.cfg)  # type: ignore[arg-type]
+        self._score_s = time.perf_counter() - t0
+        return {"scores": scores}
 
     # ------------------------------------------------------------ budgeting
     def target(self, il: int, n_gen: int) -> int:
@@ -222,6 +245,7 @@ class Run:
     def begin(self, plan: Plan, request: str, on_token: TokenHook | None = None) -> None:
         """Start the request: trace header, the prompt plan; ``prefill_bounds`` come next."""
         self.clock = RunClock()
+        self.clock.t0 -= self._score_s  # a scoring pass before prefill counts as prefill
         self.plan = plan
         self.on_token = on_token
         self._trace_header(request)

@@ -10,8 +10,9 @@ one request's ``MethodPlan`` (a frozen dataclass: capacities, warnings, prioriti
 compiled class quotas), and the engine selects through the plan, never through state on the method.
 
 What a method needs from the engine it declares in class attributes, so the engine never branches
-on a method's name: ``prefill_mode`` (how the prompt is read: ``PrefillMode``) and four independent
-ones, ``needs_attention``, ``attention_stat``, ``scales_swa_capacity`` and ``reads_prompt_text``.
+on a method's name: ``prefill_mode`` (how the prompt is read: ``PrefillMode``) and independent
+ones, ``needs_attention``, ``attention_stat``, ``scales_swa_capacity``, ``reads_prompt_text``,
+``prompt_scorer`` and ``native_step``.
 ``keeps_all``, ``compress_after_prefill`` and ``plans_prompt`` are read-only views of ``prefill_mode``
 (kept for readers such as the slot pool). A baseline's ``name`` is set by the registry.
 ``step_rule`` describes the same selection as data (``StepRule``) for the native persistence step
@@ -112,6 +113,9 @@ class Method:
     attention_stat = "sum"           # incremental statistic: "sum" (accumulated) or "last" (newest query)
     scales_swa_capacity = True       # True: the engine scales a sliding-window layer's capacity by its window
     reads_prompt_text = False        # True: ``bind`` gets the prompt's token texts (PASK's tool-relevance)
+    prompt_scorer = ""               # a scoring pass run before prefill (``engine.prescore``); ``bind`` gets
+                                     # its per-layer scores (``methods.scored``)
+    native_step = True               # False: no native step rule; the engine evicts by ``select`` in Python
 
     @property
     def keeps_all(self) -> bool:

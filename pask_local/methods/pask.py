@@ -21,6 +21,7 @@ A policy with ``residual`` ``attention`` (the ``pask-hybrid`` variant): only its
 capacity left after them goes to the tokens the observation window attends to most, whatever their
 class (every class without a floor shares one protection rank, so attention alone orders them).
 Structure says what must persist (names, the query, the call); attention ranks everything else.
+With ``residual`` ``recent`` (the ``floors-only`` variant) the newest tokens fill the rest instead.
 With the structural orders only this lookup runs online and the prompt is evicted while it is
 prefilled; ``attention`` needs the statistic, so the prompt is prefilled whole and compressed once.
 The within-class orders are small ``Order`` objects (``ORDERS``, by the policy's name for them); a
@@ -168,8 +169,8 @@ class PASK(Method):
         counts = np.bincount(prompt_classes, minlength=len(_ALL))
         compiled = compile_policy(self.policy, budget, {c: int(counts[i]) for i, c in enumerate(_ALL)},
                                   self.swa_layers, self.window)
-        # residual "attention": the floors are the only quotas; attention fills the rest
-        keep = self.policy.floors if self.policy.residual == "attention" else compiled.keep
+        # residual "attention" / "recent": the floors are the only quotas; attention / recency fills the rest
+        keep = compiled.keep if self.policy.residual == "weights" else self.policy.floors
         order = self.order
         priority = None  # without pieces a tool-relevance plan sizes but cannot select (select says so)
         if order.reads_prompt_text and pieces is not None:

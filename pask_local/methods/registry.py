@@ -23,8 +23,9 @@ from ..errors import PaskError
 from .base import Method, PrefillMode
 from .full import FullKV
 from .h2o import H2O
-from .pask import ATTENTION, PASK, TOOL_RELEVANCE, Order
+from .pask import ATTENTION, NEWEST_FIRST, PASK, TOOL_RELEVANCE, Order
 from .pyramidkv import PyramidKV
+from .scored import KVzipStyle, SnapKVPrefix
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -68,7 +69,8 @@ class MethodEntry:
         """What `pask-local methods` shows in its policy column."""
         if self.variant is None:
             return "-"
-        source = {"model": "model default", "prior": "hand-written prior", "hybrid": "hybrid floors"}
+        source = {"model": "model default", "prior": "hand-written prior", "hybrid": "hybrid floors",
+                  "floors": "floors only"}
         return source[self.variant.policy] + (", --policy" if self.takes_policy else "")
 
     def build(self, model: Model, policy: str | Path | Policy | None = None, warn: Warn | None = None) -> Method:
@@ -84,7 +86,7 @@ class MethodEntry:
                     warn: Warn | None) -> PASK:
         from ..model_info import swa_layers
         from ..policy import Policy
-        from ..policy.handwritten import handwritten_policy, hybrid_policy
+        from ..policy.handwritten import floors_policy, handwritten_policy, hybrid_policy
         from ..policy.shipped import resolve_default_policy
 
         if policy is not None and not self.takes_policy:
@@ -93,6 +95,8 @@ class MethodEntry:
             pol = handwritten_policy(model.n_layer)
         elif policy is None and v.policy == "hybrid":
             pol = hybrid_policy(model.n_layer)
+        elif policy is None and v.policy == "floors":
+            pol = floors_policy(model.n_layer)
         elif policy is None:
             pol, warning = resolve_default_policy(model)
             if warning and warn is not None:
@@ -145,6 +149,15 @@ ENTRIES: tuple[MethodEntry, ...] = (
                 PrefillMode.WHOLE_THEN_COMPRESS, True,
                 "beyond the floors, the question window's attention decides",
                 variant=PaskVariant(order=ATTENTION, residual="attention", policy="hybrid"), takes_policy=True),
+    MethodEntry("floors-only", "structural floors kept whole; the rest of the budget to the newest tokens",
+                PrefillMode.PLANNED, False, "floors by class, the rest by position: no words, no attention",
+                variant=PaskVariant(order=NEWEST_FIRST, residual="recent", policy="floors")),
+    MethodEntry("snapkv-prefix", "SnapKV scored by the prefix's own tail (the 32 tokens before the user's turn)",
+                PrefillMode.PLANNED, False, "its observation window ends before the question (a scoring pass "
+                "reads only the part before the user's turn)", SnapKVPrefix),
+    MethodEntry("kvzip", "KVzip-style: entries scored by the attention a re-presentation of the prefix pays them",
+                PrefillMode.PLANNED, False, "scores how much rebuilding the prefix itself needs each entry "
+                "(a scoring pass reads only the part before the user's turn)", KVzipStyle),
     MethodEntry("pask-tools", "PASK's class shares; the tools the query's words name persist first",
                 PrefillMode.PLANNED, True, "reads the question's words (tagging.relevance) to order the tools",
                 variant=PaskVariant(order=TOOL_RELEVANCE), takes_policy=True),

@@ -10,6 +10,8 @@ their tails first (``span-head``): every tool keeps the start of its description
 ``hybrid_policy`` is the floors-only table of the ``pask-hybrid`` variant: what a call cannot be
 rebuilt without (tool names, required parameter names, the query, the call being written)
 persists whole in every group; the rest of the budget goes to the tokens attention ranks highest.
+``floors_policy`` keeps the same floors and gives the rest to the newest tokens (no attention, no
+class shares): structural protection plus a recent window.
 """
 
 from __future__ import annotations
@@ -58,4 +60,18 @@ def hybrid_policy(n_layer: int, n_groups: int = 4) -> Policy:
         within_class_order="attention",
         residual="attention",
         provenance={"note": "pask-hybrid floors (pask_local/policy/handwritten.py); not measured"},
+    )
+
+
+def floors_policy(n_layer: int, n_groups: int = 4) -> Policy:
+    """The ``floors`` variant: ``HYBRID_FLOORS`` kept whole; the rest of the budget to the newest tokens."""
+    groups = contiguous_groups(n_layer, n_groups)
+    return Policy(
+        groups=groups,
+        floors=[{c: (1.0 if c in HYBRID_FLOORS else 0.0) for c in C} for _ in groups],
+        weights=[{c: (0.0 if c in HYBRID_FLOORS else 1.0) for c in C} for _ in groups],
+        kind="hand-written",
+        within_class_order="newest-first",
+        residual="recent",
+        provenance={"note": "floors only (pask_local/policy/handwritten.py); not measured"},
     )

@@ -28,8 +28,10 @@ KINDS = ("hand-written", "calibrated", "mapped")
 ORDERS = ("oldest-first", "newest-first", "span-head", "attention", "tool-relevance")
 # What the capacity left after the floors goes to: ``weights`` (water-filled over the classes by
 # weight, then ranked inside each class) or ``attention`` (no class shares beyond the floors: the
-# highest-attention tokens of any class; needs within_class_order "attention").
-RESIDUALS = ("weights", "attention")
+# highest-attention tokens of any class; needs within_class_order "attention") or ``recent`` (no class
+# shares beyond the floors: the newest tokens of any class; needs within_class_order "newest-first").
+RESIDUALS = ("weights", "attention", "recent")
+_RESIDUAL_ORDER = {"attention": "attention", "recent": "newest-first"}
 
 
 class PolicyError(PaskError):
@@ -53,8 +55,9 @@ class Policy:
             raise PolicyError(f"group_budget has {len(self.group_budget.dnll)} curves for {len(self.groups)} groups")
         if self.residual not in RESIDUALS:
             raise PolicyError(f"residual must be one of {', '.join(RESIDUALS)}, got {_show(self.residual)}")
-        if self.residual == "attention" and self.within_class_order != "attention":
-            raise PolicyError("residual 'attention' needs within_class_order 'attention'")
+        need = _RESIDUAL_ORDER.get(self.residual)
+        if need is not None and self.within_class_order != need:
+            raise PolicyError(f"residual '{self.residual}' needs within_class_order '{need}'")
 
     @property
     def n_layer(self) -> int:

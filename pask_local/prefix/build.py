@@ -107,8 +107,8 @@ def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: 
     base = engine.prepare(_with_user(head, _USER_TEXTS[0]), tools, "auto", parallel=parallel, examples=examples)
     prepared = Prepared(dataclasses.replace(base.plan, prompt=prefix), "", n + 1, GREEDY)
     solo = Engine(model, method, dataclasses.replace(cfg, max_tokens=0))
-    pool = SlotPool(model, SlotPool.layout_for(model, method, cfg.budget, n + 1, slots=1, kv_type=cfg.kv_type),
-                    flash_attn=cfg.flash_attn)
+    pool = SlotPool(model, SlotPool.layout_for(model, method, cfg.budget, _slot_len(engine, n + 1, n + 1), slots=1,
+                                               kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
         t0 = time.perf_counter()
         pool.execute(solo, prepared)
@@ -211,9 +211,7 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
     """Run one prepared request whose prompt starts with ``pinned``'s prefix: a one-slot pool
     restores the prefix and prefills only the rest (``EngineResult``)."""
     cfg = engine.cfg
-    slot_len = prepared.n_prompt + cfg.max_tokens
-    if prefills_whole(engine.method):  # its slot holds the whole prompt before it compresses
-        slot_len = max(slot_len, math.ceil((prepared.n_prompt + 1) / cfg.budget))
+    slot_len = _slot_len(engine, prepared.n_prompt, prepared.n_prompt + cfg.max_tokens)
     pool = SlotPool(engine.model, SlotPool.layout_for(engine.model, engine.method, cfg.budget, slot_len, slots=1,
                                                       kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
@@ -221,6 +219,14 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
         return pool.submit(engine, prepared, on_token, trace=trace).result()
     finally:
         pool.close()
+
+
+def _slot_len(engine: Engine, n_prompt: int, n_seq: int) -> int:
+    """A one-slot pool's length for ``n_seq`` positions (a whole-prompt method's slot holds the whole
+    prompt before it compresses)."""
+    if prefills_whole(engine.method):
+        return max(n_seq, math.ceil((n_prompt + 1) / engine.cfg.budget))
+    return n_seq
 
 
 def check_prompt(prefix: Sequence[int], prompt_tokens: Sequence[int], name: str) -> None:

@@ -1,0 +1,119 @@
+"""Scoring passes that run before a request's prefill, for methods that declare ``prompt_scorer``.
+
+A pass reads prompt positions [0, obs_end) (the part before the user's turn, ``ScoredMethod.obs_end``)
+in a layered context of its own with the in-graph attention probe, and returns per layer one score
+per prompt position (0 from obs_end on). The request's own prefill then runs as usual and evicts
+while it reads by those scores, so the pass costs one extra prefill of the prefix (two for
+``reconstruction``), paid once when the prefix is compressed once (``pask-local compress``).
+
+- ``window-before-query``: the attention the prefix's last ``window`` queries pay each entry (SnapKV's
+  statistic with the observation window at the prefix's own tail).
+- ``reconstruction``: the prefix is read, then re-presented after an instruction to repeat it; each
+  entry's score is the attention mass every query of the repetition pays it, summed over queries and
+  heads (KVzip's reconstruction idea, read per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..attention import SUM, WINDOW, AttentionProbe, cell_positions, probed_layered_context
+from ..errors import NativeError
+from ..llm import Model
+from ..methods.scored import KVzipStyle, ScoredMethod, SnapKVPrefix
+from .kv_stream import context_config, flash_attn_for
+from .types import EngineConfig
+
+Scorer = Callable[[Model, ScoredMethod, list[int], EngineConfig], list[np.ndarray]]
+
+
+def _context(model: Model, n_cells: int, cfg: EngineConfig, probe: AttentionProbe, stat: int):
+    """A layered context for the pass; ``cfg.graph_stats`` False: the probe reads the softmax from an
+    eval callback instead (the reference the in-graph statistics are tested against)."""
+    cells = -(-n_cells // cfg.cell_align) * cfg.cell_align
+    flash = flash_attn_for(cfg.kv_type, cfg.flash_attn, host_probe=not cfg.graph_stats)
+    cfgc = context_config(cells, max(cfg.chunk, cfg.probe_window), cfg.kv_type, flash)
+    return probed_layered_context(model, [cells] * model.n_layer, cfgc, probe, stats=(stat,),
+                                  in_graph=cfg.graph_stats)
+
+
+def _add(scores: list[np.ndarray], probe: AttentionProbe, ctx, stat: int, limit: int) -> None:
+    """Add the probe's statistic of the last decode to each layer's scores of positions < limit."""
+    for il, layer in enumerate(scores):
+        s = probe.stat(il, stat)
+        cells = cell_positions(ctx, il)
+        n = min(len(s), len(cells))
+        ok = (cells[:n] >= 0) & (cells[:n] < limit)
+        np.add.at(layer, cells[:n][ok], s[:n][ok])
+
+
+def _decode(ctx, tokens: list[int], pos0: int, chunk: int, probe: AttentionProbe | None = None,
+            each: Callable[[], None] | None = None) -> None:
+    for a in range(0, len(tokens), chunk):
+        if probe is not None:
+            probe.reset()
+        if ctx.decode(tokens[a:a + chunk], pos0 + a) != 0:
+            raise NativeError(f"llama_decode failed in a scoring pass at position {pos0 + a}")
+        if each is not None:
+            each()
+
+
+def window_before_query(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig
+                        ) -> list[np.ndarray]:
+    assert isinstance(method, SnapKVPrefix)
+    n, window = len(prefix), max(1, method.window)
+    scores = [np.zeros(n) for _ in range(model.n_layer)]
+    probe = AttentionProbe(model.n_layer, window)
+    ctx = _context(model, n + 1, cfg, probe, WINDOW)
+    try:
+        head = max(0, n - max(window, cfg.chunk))  # the last decode holds the whole window
+        probe.set_enabled(False)
+        _decode(ctx, prefix[:head], 0, cfg.chunk)
+        probe.set_enabled(True)
+        probe.reset()
+        if ctx.decode(prefix[head:], head) != 0:
+            raise NativeError("llama_decode failed on the observation window of a scoring pass")
+        _add(scores, probe, ctx, WINDOW, n)
+    finally:
+        ctx.close()
+        probe.close()
+    return scores
+
+
+def reconstruction(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
+    assert isinstance(method, KVzipStyle)
+    n = len(prefix)
+    again = model.tokenize(method.instruction) + list(prefix[1:] if prefix and prefix[0] == _bos(model) else prefix)
+    scores = [np.zeros(n) for _ in range(model.n_layer)]
+    probe = AttentionProbe(model.n_layer, cfg.probe_window)
+    ctx = _context(model, n + len(again) + 1, cfg, probe, SUM)
+    try:
+        probe.set_enabled(False)
+        _decode(ctx, prefix, 0, cfg.chunk)
+        probe.set_enabled(True)
+        _decode(ctx, again, n, cfg.chunk, probe, lambda: _add(scores, probe, ctx, SUM, n))
+    finally:
+        ctx.close()
+        probe.close()
+    return scores
+
+
+def _bos(model: Model) -> int | None:
+    toks = model.tokenize("", add_special=True)
+    return toks[0] if toks else None
+
+
+SCORERS: dict[str, Scorer] = {"window-before-query": window_before_query, "reconstruction": reconstruction}
+
+
+def prompt_scores(model: Model, method: ScoredMethod, tokens: list[int], obs_end: int, cfg: EngineConfig
+                  ) -> list[np.ndarray]:
+    """Per layer, a score for each of the ``len(tokens)`` prompt positions (0 from ``obs_end`` on)."""
+    scorer = SCORERS.get(method.prompt_scorer)
+    if scorer is None:
+        raise NativeError(f"method {method.name}: unknown scoring pass {method.prompt_scorer!r}")
+    n = len(tokens)
+    part = scorer(model, method, list(tokens[:obs_end]), cfg)
+    return [np.concatenate([s, np.zeros(n - len(s))]) for s in part]

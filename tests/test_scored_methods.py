@@ -1,0 +1,138 @@
+"""The query-agnostic methods that can compress a prefix once: floors-only, snapkv-prefix, kvzip.
+
+Oracles: SnapKV's own whole-prompt path (its observation window read from the last prefill chunk)
+on the prefix alone keeps what ``snapkv-prefix``'s scoring pass keeps; the in-graph statistics of
+the KVzip-style pass equal the eval-callback probe's (the softmax read from the graph's tensors);
+two questions behind the same tools get the same prefix scores; a restored prefix keeps its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from serve_helpers import WEATHER_TIME_TOOLS as TOOLS
+
+from pask_local.classes import StructuralClass, class_index
+from pask_local.methods.registry import QUERY_AGNOSTIC, REGISTRY
+from pask_local.methods.scored import SnapKVPrefix, prefix_end
+from pask_local.policy.schema import Policy, PolicyError
+
+Q = class_index(StructuralClass.QUERY)
+D = class_index(StructuralClass.DESCRIPTION)
+
+
+def test_new_methods_are_registered_query_agnostic():
+    for name in ("floors-only", "snapkv-prefix", "kvzip"):
+        assert name in QUERY_AGNOSTIC and not REGISTRY[name].query_aware
+
+
+def test_scored_plan_keeps_sinks_the_tail_and_the_best_scored():
+    classes = np.array([D] * 20 + [Q] * 5)
+    assert prefix_end(classes) == 20 and prefix_end(np.array([D] * 7)) == 7
+    m = SnapKVPrefix(window=4, kernel=1)
+    scores = np.zeros(25)
+    scores[[6, 9, 12]] = [3.0, 2.0, 1.0]
+    plan = m.bind(0.5, classes, 1, scores=[scores])
+    assert plan.obs_start == 16
+    from pask_local.methods import LayerView
+
+    view = LayerView(layer=0, n_layer=1, positions=np.arange(25), classes=classes, prompt_len=25,
+                     all_classes=classes)
+    kept = plan.select(view, 15)
+    # 4 sinks + positions 16..24 (window + question) + the two best-scored of the rest
+    assert kept.tolist() == [0, 1, 2, 3, 6, 9, *range(16, 25)]
+    # without scores the oldest non-sinks go first
+    kept = m.bind(0.5, classes, 1).select(view, 15)
+    assert kept.tolist() == [0, 1, 2, 3, 14, 15, *range(16, 25)]
+
+
+def test_floors_residual_needs_the_newest_first_order():
+    from pask_local.policy.handwritten import floors_policy
+
+    pol = floors_policy(24)
+    assert pol.residual == "recent" and pol.within_class_order == "newest-first"
+    with pytest.raises(PolicyError, match="newest-first"):
+        Policy(groups=pol.groups, floors=pol.floors, weights=pol.weights, within_class_order="span-head",
+               residual="recent")
+
+
+# ------------------------------------------------------------------ on Qwen 0.5B
+def _engine(model, method, budget=0.33, **cfg):
+    from pask_local.engine import Engine, EngineConfig
+
+    m = REGISTRY[method].build(model) if isinstance(method, str) else method
+    return Engine(model, m, EngineConfig(budget=budget, max_tokens=48, style="native", **cfg))
+
+
+def _tools():
+    from pask_local.schema.tools import load_tools
+
+    return load_tools(TOOLS)
+
+
+def _prompt(engine, question):
+    prepared = engine.prepare([{"role": "user", "content": question}], _tools(), "required")
+    p = prepared.plan.prompt
+    return prepared, list(p.tokens), np.array([class_index(c) for c in p.classes])
+
+
+@pytest.mark.slow
+def test_snapkv_prefix_keeps_what_snapkv_keeps_of_the_prefix_alone(qwen05_model):
+    """Independent oracle: SnapKV's engine path (whole prefill, window from the last chunk)."""
+    from pask_local.prefix.build import prefill_prefix
+
+    snap = _engine(qwen05_model, "snapkv")
+    ours = SnapKVPrefix()
+    ours.name, ours.n_sink = "snapkv-prefix", 0  # SnapKV protects no sinks
+    _, _, want, _, _ = prefill_prefix(snap, _tools(), [])
+    prefix, _, got, _, _ = prefill_prefix(_engine(qwen05_model, ours), _tools(), [])
+    n = len(prefix.tokens)
+    overlap = [len(set(a) & set(b)) / len(a) for a, b in zip(want, got, strict=True)]
+    assert all(len(a) == len(b) for a, b in zip(want, got, strict=True))
+    assert min(overlap) >= 0.97, overlap  # batch shapes differ: float near-ties may flip
+    assert max(len(a) for a in got) < 0.4 * n
+
+
+@pytest.mark.slow
+def test_kvzip_scores_in_graph_equal_the_callback_probe_and_ignore_the_question(qwen05_model):
+    from pask_local.engine.prescore import prompt_scores
+
+    engine = _engine(qwen05_model, "kvzip")
+    _, toks, cls = _prompt(engine, "What is the weather in Paris in celsius?")
+    _, toks2, cls2 = _prompt(engine, "Time in Tokyo now, please, and quickly?")
+    end = prefix_end(cls)
+    assert end == prefix_end(cls2) and toks[:end] == toks2[:end] and toks != toks2
+    m = engine.method
+    graph = prompt_scores(qwen05_model, m, toks, end, engine.cfg)
+    other = prompt_scores(qwen05_model, m, toks2, end, engine.cfg)
+    callback = prompt_scores(qwen05_model, m, toks, end, dataclasses.replace(engine.cfg, graph_stats=False))
+    for il in range(qwen05_model.n_layer):
+        assert np.all(graph[il][end:] == 0) and graph[il][:end].sum() > 1.0
+        np.testing.assert_array_equal(graph[il][:end], other[il][:end])  # the question is never read
+        np.testing.assert_allclose(graph[il], callback[il], rtol=2e-2, atol=1e-3)
+    window = prompt_scores(qwen05_model, SnapKVPrefix(), toks, end, engine.cfg)
+    # a different statistic: the repetition reads the whole prefix, the window only its tail's view
+    assert not np.allclose(window[0][:end] / window[0].sum(), graph[0][:end] / graph[0].sum(), atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kvzip", "floors-only"])
+def test_compressed_once_then_restored_holds_the_budget(qwen05_model, tmp_path, method):
+    """A restored prefix is not scored again, and its kept entries are what the request keeps."""
+    from pask_local.prefix.build import compress, open_file, pin, run_from_prefix, save
+
+    engine = _engine(qwen05_model, method)
+    path = tmp_path / "p.pkv"
+    c = compress(engine, _tools(), [])
+    assert c.held <= 0.34 * c.full
+    save(path, c)
+    header, blob = open_file(path, qwen05_model)
+    pinned = pin(path, header, blob, qwen05_model, method, 0.33, "f16", _tools())
+    prepared, _, _ = _prompt(engine, "What is the weather in Paris in celsius?")
+    res = run_from_prefix(engine, prepared, pinned)
+    assert res.stats["prefix_source"] == "prefix"
+    assert res.stats["budget_used_after_prefill"] >= 0.30  # the restored entries were kept (unscored: 0.18)
+    assert res.stats["max_over_budget_entries"] == 0
+    assert res.ok and res.parsed["name"] in {t["function"]["name"] for t in TOOLS}
