@@ -294,3 +294,48 @@ def test_server_starts_every_matching_request_from_the_prefix(qwen05_path, prefi
     finally:
         srv.close()
         model.close()
+
+
+@pytest.mark.slow
+def test_prefix_dir_saves_a_new_catalog_and_restores_it_after_a_restart(qwen05_path, prefix_file, tmp_path):
+    """serve --prefix-dir: a damaged file and another method's file are skipped with a line; a request
+    with new tools gets its prefix compressed and saved; the next request, and a restarted server's
+    first one, start from it."""
+    from pask_local.llm import Model
+    from pask_local.server.app import Server, ServerConfig
+    from pask_local.server.openai_io import Defaults
+
+    pdir = tmp_path / "prefixes"
+    pdir.mkdir()
+    (pdir / "damaged.pkv").write_bytes(prefix_file.read_bytes()[:-3] + b"xyz")
+    (pdir / "default-method.pkv").write_bytes(prefix_file.read_bytes())  # pask-prior: pinned, never matches
+    model = Model(qwen05_path)
+    cfg = ServerConfig("q", Defaults(method="streaming", max_tokens=48), slots=1, max_context=1024, prefix_dir=pdir)
+
+    def ask(url: str, city: str):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        r = client.chat.completions.create(
+            model="q", messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+            tools=TOOLS, tool_choice="required", max_tokens=48)
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+        return r
+
+    try:
+        srv = Server(model, cfg)
+        assert any("skipped damaged.pkv" in w and "damaged" in w for w in srv.warnings), srv.warnings
+        with serve_in_thread(srv) as url:  # the app closes the server when it stops
+            first = ask(url, "Paris")
+            assert first.model_extra["pask"]["prefix_source"] is None
+            srv.prefix_dir.join(300)
+            assert len(srv.prefix_dir.saved) == 1 and srv.prefix_dir.saved[0].parent == pdir
+            second = ask(url, "Oslo")
+            assert second.model_extra["pask"]["prefix_source"] == "prefix"
+            assert second.usage.prompt_tokens_details.cached_tokens > 0
+        again = Server(model, cfg)  # a restart: the saved file is loaded, nothing compressed again
+        with serve_in_thread(again) as url:
+            third = ask(url, "Rome")
+            assert third.model_extra["pask"]["prefix_source"] == "prefix"
+            again.prefix_dir.join(300)
+            assert again.prefix_dir.saved == []
+    finally:
+        model.close()

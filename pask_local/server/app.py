@@ -68,6 +68,7 @@ from .openai_io import (
     usage,
     usage_chunk,
 )
+from .prefix_dir import PrefixDir
 from .streaming import SSE_DONE, SSE_KEEPALIVE, ReplyStreamer, sse
 
 KEEPALIVE_S = 5.0        # an SSE comment while a stream waits for its slot
@@ -97,6 +98,7 @@ class ServerConfig:
     guard: Guard = field(default_factory=Guard)
     kv_type: str = EngineConfig.kv_type  # K/V element type of every request (and of the pool)
     prefixes: tuple[Path, ...] = ()   # batch: prefix files (``pask-local compress``) every matching request starts from
+    prefix_dir: Path | None = None    # batch: prefix files kept across restarts (``server.prefix_dir``)
 
 
 DEFAULT_SLOT_LEN = 4096
@@ -139,18 +141,31 @@ class Server:
             self.pool = IsolatedPool(self.slots, config.queue_size)
             self.context_limit = config.max_context or model.n_ctx_train
         self.batched = isinstance(self.pool, SlotPool)
-        if config.prefixes:
-            try:
+        self.prefix_dir: PrefixDir | None = None
+        try:
+            if config.prefixes:
                 self._pin_prefixes(method, config.prefixes)
-            except BaseException:
-                self.pool.close()
-                raise
+            if config.prefix_dir is not None:
+                if not isinstance(self.pool, SlotPool):
+                    raise PaskError("--prefix-dir needs the batched pool (drop --no-batch)")
+                self.prefix_dir = PrefixDir(config.prefix_dir, model, self.pool, config.kv_type, self.context_limit,
+                                            self._warn_later)
+                self.prefix_dir.load()
+        except BaseException:
+            self.pool.close()
+            raise
         self.gate = PrepareGate(config.prepare_workers, config.queue_size)
         # a prompt of B bytes is at least B / longest-piece tokens: text past this cannot fit
         self.max_message_chars = self.context_limit * model.longest_piece()
         pool = self.pool
         self.metrics = Metrics(lambda: pool.busy, lambda: pool.waiting, self.slots, config.queue_size,
                                pool if isinstance(pool, SlotPool) else None)
+
+    def _warn_later(self, line: str) -> None:
+        """A warning at start (printed by the CLI) or while serving (logged)."""
+        self.warnings.append(line)
+        if hasattr(self, "metrics"):
+            log.warning(line)
 
     def _pin_prefixes(self, method: Method, paths: tuple[Path, ...]) -> None:
         """Load each prefix file once (checked against the model, the default method, budget and K/V
@@ -207,6 +222,8 @@ class Server:
             raise bad_request(str(exc), "pask") from None
 
     def close(self) -> None:
+        if self.prefix_dir is not None:
+            self.prefix_dir.join(60)  # a prefix being saved finishes (its file is written atomically)
         self.pool.close()
 
     # ------------------------------------------------------------ routes
@@ -283,6 +300,8 @@ class Server:
         except PoolClosed:
             raise APIError(503, "the server is shutting down", type="server_error", code="cancelled") from None
         future.add_done_callback(lambda _f: push(("done", None)))
+        if self.prefix_dir is not None:
+            self.prefix_dir.offer(engine, req.messages, req.tools, req.parallel)
         if req.stream:
             return JobStream(cancel, self._stream(future, req, prepared, events))
         return await self._complete(request, future, cancel, req)

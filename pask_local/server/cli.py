@@ -22,8 +22,12 @@ from ..cli_options import (
     KvTypeOption,
     ModelOption,
     NglOption,
+    RpcOption,
+    RpcTimeoutOption,
+    TensorSplitOption,
     check_device_options,
     check_generation_options,
+    make_placement,
 )
 from ..engine.factory import DEFAULT_METHOD
 from ..errors import PaskError
@@ -83,6 +87,12 @@ def serve_command(
                                                       "whose prompt starts with it, which then prefills only "
                                                       "the rest. Its method and budget must be the server's.",
                                                       show_default=False)] = None,
+    prefix_dir: Annotated[Path | None, typer.Option("--prefix-dir", help="A directory of prefix files kept "
+                                                    "across restarts: its files are loaded at start (one that "
+                                                    "fails a check, or is another model's, is skipped with a "
+                                                    "line), and a new tool catalog's prefix is compressed once "
+                                                    "in the background (query-agnostic methods), saved there "
+                                                    "and used by later requests.", show_default=False)] = None,
     prefix_cache: Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Batched: a finished "
                                                "request's slot keeps its KV, and a new request whose prompt "
                                                "starts the same way (system prompt, tools) takes it and "
@@ -120,6 +130,9 @@ def serve_command(
     flash_attn: FlashAttnOption = False,
     hysteresis: HysteresisOption = 0.02,
     kv_type: KvTypeOption = "f16",
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
+    rpc_timeout: RpcTimeoutOption = 60.0,
 ) -> None:
     """Serve an OpenAI-compatible /v1/chat/completions endpoint (tools, streaming) for one model.
 
@@ -128,6 +141,7 @@ def serve_command(
     """
     check_generation_options(method, budget, max_tokens)
     check_device_options(ngl, hysteresis, kv_type)
+    placement = make_placement(rpc, tensor_split, ngl, rpc_timeout)
     n_slots = parse_slots(slots)
     if queue < 0:
         raise PaskError(f"--queue must be >= 0, got {queue}")
@@ -176,14 +190,14 @@ def serve_command(
         print(f"warning: listening on {host} without --api-key: anyone who can reach this address can run "
               f"requests", file=sys.stderr)
     sock = _listen(host, port)
-    loaded = Model(path, n_gpu_layers=ngl)
+    loaded = Model(path, n_gpu_layers=ngl, placement=placement)
     server = Server(loaded, ServerConfig(model_id=name, defaults=Defaults(method, budget, max_tokens),
                                          slots=n_slots, queue_size=queue, max_context=max_context,
                                          flash_attn=flash_attn, hysteresis=hysteresis, batch=batch,
                                          kv_mem=kv_mem << 20, prefill_tokens=prefill_tokens,
                                          prefix_cache=prefix_cache, kv_type=kv_type, guard=guard,
                                          reuse_compressed=reuse_compressed, body_timeout=body_timeout,
-                                         prefixes=tuple(prefix or ())))
+                                         prefixes=tuple(prefix or ()), prefix_dir=prefix_dir))
     for warning in server.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     bound = sock.getsockname()
