@@ -97,6 +97,7 @@ def test_snapkv_prefix_keeps_what_snapkv_keeps_of_the_prefix_alone(qwen05_model)
 
 @pytest.mark.slow
 def test_kvzip_scores_in_graph_equal_the_callback_probe_and_ignore_the_question(qwen05_model):
+    from pask_local.engine import prescore
     from pask_local.engine.prescore import prompt_scores
 
     engine = _engine(qwen05_model, "kvzip")
@@ -106,6 +107,9 @@ def test_kvzip_scores_in_graph_equal_the_callback_probe_and_ignore_the_question(
     assert end == prefix_end(cls2) and toks[:end] == toks2[:end] and toks != toks2
     m = engine.method
     graph = prompt_scores(qwen05_model, m, toks, end, engine.cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(graph, prompt_scores(qwen05_model, m, toks2, end, engine.cfg),
+                                                    strict=True))  # a kept pass
+    prescore._MEMO.clear()  # computed again from the other prompt
     other = prompt_scores(qwen05_model, m, toks2, end, engine.cfg)
     callback = prompt_scores(qwen05_model, m, toks, end, dataclasses.replace(engine.cfg, graph_stats=False))
     for il in range(qwen05_model.n_layer):
@@ -136,3 +140,69 @@ def test_compressed_once_then_restored_holds_the_budget(qwen05_model, tmp_path, 
     assert res.stats["budget_used_after_prefill"] >= 0.30  # the restored entries were kept (unscored: 0.18)
     assert res.stats["max_over_budget_entries"] == 0
     assert res.ok and res.parsed["name"] in {t["function"]["name"] for t in TOOLS}
+
+
+@pytest.mark.slow
+def test_key_rows_read_the_cache_as_it_is(qwen05_model):
+    """Layer 0's keys are RoPE-rotated projections of the token alone. NEOX RoPE turns each pair of
+    dimensions (i, i + half a head) by an angle of the position, which keeps each pair's magnitude: the
+    same token at two positions has the same pair magnitudes, other tokens differ (an oracle that needs
+    no weights, and fails if rows are read shifted). An f16 and a q8_0 cache give the same key norms; bytes
+    that are not such a state give one line."""
+    from pask_local.engine.kv_stream import context_config
+    from pask_local.errors import NativeError
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.kv_rows import key_rows
+    from pask_local.prefix import state as kv_state
+
+    toks = qwen05_model.tokenize("alpha beta gamma delta " * 8)
+    rows = {}
+    for kv in ("f16", "q8_0"):
+        ctx = LayeredContext(qwen05_model, [256] * qwen05_model.n_layer,
+                             context_config(256, 64, kv, flash_attn=kv != "f16"))
+        try:
+            assert ctx.decode(toks, 0) == 0
+            rows[kv] = key_rows(kv_state.save(ctx, 0)[1:])
+        finally:
+            ctx.close()
+    pos, k = rows["f16"][0]
+    assert sorted(pos.tolist()) == list(range(len(toks)))
+    heads = k.reshape(len(pos), -1, 64)  # Qwen2.5-0.5B: 2 KV heads of 64
+    pairs = np.hypot(heads[:, :, :32], heads[:, :, 32:]).reshape(len(pos), -1)
+    same, other = [], []
+    for a in range(len(pos)):
+        for b in range(a + 1, len(pos)):
+            d = float(np.abs(pairs[a] - pairs[b]).max() / pairs[a].max())
+            (same if toks[pos[a]] == toks[pos[b]] else other).append(d)
+    assert same and max(same) < min(other), (max(same), min(other))
+    # layer 0 (the same input either way): a quantized cache stores keys turned by a Hadamard rotation,
+    # which keeps each head's norm
+    for il in (0,):
+        (p16, k16), (p8, k8) = rows["f16"][il], rows["q8_0"][il]
+        assert p16.tolist() == p8.tolist()
+        n16, n8 = (np.linalg.norm(x.reshape(len(p16), -1, 64), axis=2) for x in (k16, k8))
+        np.testing.assert_allclose(n8, n16, rtol=0.03)
+    for bad in (b"\0" * 40, b"\0" * 8 + (0x4C564B50).to_bytes(4, "little") + b"\1" * 30):
+        with pytest.raises(NativeError):
+            key_rows(bad)
+
+
+@pytest.mark.slow
+def test_knorm_keeps_the_lowest_norm_keys_of_the_prefix(qwen05_model):
+    from pask_local.engine.prescore import prompt_scores
+
+    engine = _engine(qwen05_model, "knorm")
+    _, toks, cls = _prompt(engine, "What is the weather in Paris in celsius?")
+    end = prefix_end(cls)
+    scores = prompt_scores(qwen05_model, engine.method, toks, end, engine.cfg)
+    plan = engine.method.bind(0.33, cls, qwen05_model.n_layer, scores=scores)
+    from pask_local.methods import LayerView
+
+    view = LayerView(layer=5, n_layer=qwen05_model.n_layer, positions=np.arange(len(toks)), classes=cls,
+                     prompt_len=len(toks), all_classes=cls)
+    cap = plan.capacities[5]
+    kept = plan.select(view, cap)
+    free = [p for p in kept if 4 <= p < end]
+    dropped = [p for p in range(4, end) if p not in set(kept)]
+    assert np.all(scores[5][:end] < 0)  # minus a norm
+    assert min(scores[5][free]) >= max(scores[5][dropped])  # the lowest norms (highest scores) stayed

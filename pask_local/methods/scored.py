@@ -14,6 +14,7 @@ compress``).
 - ``KVzipStyle``: the prefix is re-presented after a "repeat the context" instruction and each entry is
   scored by the attention the repetition's queries pay it (summed over queries and heads: a
   layer-level, sum-pooled reading of KVzip's reconstruction score).
+- ``KNorm``: score-free: the keys of lowest L2 norm persist (averaged over a layer's KV heads).
 
 A request that starts from a restored (already compressed) prefix runs no scoring pass: the engine
 scores what the stream holds 1 and the rest 0, so the prefix's kept entries rank first (the oldest
@@ -117,3 +118,7 @@ class SnapKVPrefix(ScoredMethod):
 class KVzipStyle(ScoredMethod):
     prompt_scorer = "reconstruction"
     instruction = "\n\nRepeat the previous context exactly.\n"
+
+
+class KNorm(ScoredMethod):
+    prompt_scorer = "key-norm"
