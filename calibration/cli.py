@@ -51,6 +51,19 @@ def calib_cases(categories: list[str] | None) -> list:
     return out
 
 
+def catalog_pool(model: Any, pool: list, n: int, target: int, style: str, use_examples: bool) -> list:
+    """The first ``n`` cases of ``pool``, each behind its group's catalog of about ``target`` tokens,
+    grouped and built as ``eval --catalog-tokens`` builds them, from the whole calib split."""
+    from pask_local.eval.catalog import apply_catalogs
+    from pask_local.eval.data import CATEGORIES, load_bundled
+    from pask_local.eval.prompting import prefix_counter
+    from pask_local.eval.split import select
+
+    split = [c for cat in CATEGORIES for c in select(load_bundled(cat), "calib")]
+    count = prefix_counter(model, style, use_examples)
+    return apply_catalogs(pool[:n], split, target, count, n_ctx_train=model.n_ctx_train)
+
+
 def _settings(model_sha: str, groups: list[list[int]], chunk: int, dtype: str, use_examples: bool,
               style: str = "plain", signal: str = "reference", keep: float = 0.0) -> dict[str, Any]:
     out = {"cache_version": CACHE_VERSION, "model_sha256": model_sha, "groups": groups, "chunk": chunk,
@@ -140,6 +153,10 @@ def calibrate_command(
                                                    "keeps less than this fraction of the budget (the groups are "
                                                    "measured one at a time; their errors do not simply add up)")
                                ] = 0.5,
+    catalog_tokens: Annotated[int, typer.Option("--catalog-tokens", help="measure on the catalog workload, as "
+                                                "`eval --catalog-tokens`: each case behind its group's catalog "
+                                                "of about this many tokens, built from the calib split (0: the "
+                                                "cases' own tools); raise --max-tokens above it")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", help="no progress or tables")] = False,
 ) -> Policy:
     """Measure calibration signals on BFCL's calib split and write a calibrated policy (resumable).
@@ -189,6 +206,11 @@ def calibrate_command(
         raise CalibrationError("--group-curves needs --signal native")
     if not 0 <= group_min_share <= 1:
         raise CalibrationError(f"--group-min-share must be in [0, 1], got {group_min_share:g}")
+    if catalog_tokens < 0:
+        raise CalibrationError(f"--catalog-tokens must be 0 or positive, got {catalog_tokens}")
+    if catalog_tokens and catalog_tokens >= max_tokens:
+        raise CalibrationError(f"--catalog-tokens {catalog_tokens} needs --max-tokens above it (cases longer "
+                               f"than --max-tokens are skipped), got {max_tokens}")
     if prompt_style not in ENGINE_STYLES:
         raise CalibrationError(f"unknown --prompt-style '{prompt_style}' ({', '.join(ENGINE_STYLES)})")
     path = resolve_model(gguf, model)
@@ -203,6 +225,9 @@ def calibrate_command(
     sha = file_sha256(path)
     layer_groups = contiguous_groups(model.n_layer, groups)
     settings = _settings(sha, layer_groups, chunk, dtype, use_examples, style, signal, keep)
+    if catalog_tokens:
+        settings["catalog_tokens"] = catalog_tokens
+        pool = catalog_pool(model, pool, cases, catalog_tokens, style, use_examples)
     done = read_cache(cache, settings)
     measured = [c for c in pool if c.id in done and "cells" in done[c.id]]
     t0 = time.monotonic()
@@ -282,7 +307,8 @@ def calibrate_command(
         "command": (f"pask-local calibrate --gguf {path.name} --categories {','.join(dict.fromkeys(c.category for c in pool))} "
                     f"--cases {cases} --groups {groups} --max-tokens {max_tokens} --prompt-style {style}"
                     + (f" --signal native --keep {keep:g}" if signal == "native" else "")
-                    + (f" --group-curves --group-min-share {group_min_share:g}" if group_curves else "")),
+                    + (f" --group-curves --group-min-share {group_min_share:g}" if group_curves else "")
+                    + (f" --catalog-tokens {catalog_tokens}" if catalog_tokens else "")),
     }
     if signal == "native":
         provenance.update(signal="native (llama.cpp, one prefill per case; calibration/native_signals.py)",

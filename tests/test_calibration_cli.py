@@ -87,6 +87,8 @@ def test_calibrate_writes_a_policy_and_resumes_from_its_cache(synth, tmp_path):
     ({"keep": 0.2}, "--keep needs --signal native"),
     ({"signal": "native", "keep": 1.0}, "--keep must be in"),
     ({"group_curves": True}, "--group-curves needs --signal native"),
+    ({"catalog_tokens": -1}, "--catalog-tokens must be"),
+    ({"catalog_tokens": 5000, "max_tokens": 4000}, "needs --max-tokens above it"),
 ])
 def test_bad_input_is_a_one_line_error(synth, tmp_path, kwargs, match):
     out = tmp_path / kwargs.pop("out_name", "p.json")
@@ -176,3 +178,36 @@ def test_group_curves_are_measured_for_cached_cases_and_split_the_budget(synth, 
     # the compiled capacities follow the curves (equal curves would give equal capacities)
     comp = compile_policy(pol, 0.2, {StructuralClass.QUERY: 50, StructuralClass.DESCRIPTION: 150})
     assert sum(comp.layer_capacity) == pytest.approx(0.2 * 200 * sum(len(g) for g in pol.groups), rel=0.05)
+
+
+def test_catalog_workload_calibrates_on_the_cases_eval_builds(synth, tmp_path):
+    """--catalog-tokens: each measured case sits behind the catalog `eval --catalog-tokens` gives it
+    (same grouping, distractors from the calib split, same seed), and the cache and policy say so."""
+    from pask_local.calibration.cli import catalog_pool
+
+    from pask_local.eval.catalog import apply_catalogs
+    from pask_local.eval.data import CATEGORIES, load_bundled
+    from pask_local.eval.prompting import prefix_counter
+    from pask_local.eval.split import select
+    from pask_local.llm import Model
+
+    long_ctx = write_synthetic_gguf(tmp_path / "long.gguf", arch="gemma3", seed=1, n_ctx=16384)
+    out = tmp_path / "p.json"
+    policy = calibrate_command(long_ctx, ["simple_python"], 2, out, groups=2, max_tokens=9000,
+                               quiet=True, signal="native", catalog_tokens=6000)
+    assert "--catalog-tokens 6000" in policy.provenance["command"]
+    lines = measured_lines(out.with_suffix(".cases.jsonl"))
+    assert len(lines) == 2 and all(r["settings"]["catalog_tokens"] == 6000 for r in lines)
+    assert all(r["n_prompt"] > 5000 for r in lines)  # byte tokens: a case's own tools are ~1-2k
+    model = Model(long_ctx)
+    try:
+        pool = calib_cases(["simple_python"])
+        ours = catalog_pool(model, pool, 2, 6000, "plain", True)
+        split = [c for cat in CATEGORIES for c in select(load_bundled(cat), "calib")]
+        evals = apply_catalogs(pool[:2], split, 6000, prefix_counter(model, "plain", True))
+    finally:
+        model.close()
+    assert [c.id for c in ours] == [c.id for c in evals]
+    for a, b in zip(ours, evals, strict=True):
+        assert [f["name"] for f in a.tools] == [f["name"] for f in b.tools] and len(a.tools) > 3
+        assert a.meta["catalog_tokens"] >= 5400
