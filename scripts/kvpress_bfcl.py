@@ -67,35 +67,29 @@ def hf_generate(model: Any, llama: Any, plan: Any, press: Any, max_tokens: int) 
     (raw text, finish reason, generated tokens, cache entries per layer after the prefill)."""
     from transformers import DynamicCache
 
-    from pask_local.chat.decoder import Decoder
+    from pask_local.chat.decoder import Decoder, decode_loop
 
     ids = torch.tensor([plan.prompt.tokens])
     decoder = Decoder(llama, plan)
     cache = DynamicCache()
-    out: list[int] = []
-    finish = "length"
-    try:
-        with torch.no_grad():
+    pos = len(plan.prompt.tokens)
+
+    def step(tok: int) -> Any:
+        nonlocal pos
+        # positions continue the prompt's: the compressed cache is shorter than the sequence
+        logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, position_ids=torch.tensor([[pos]])).logits
+        pos += 1
+        return logits[0, -1].float().numpy()
+
+    with torch.no_grad():
+        try:
             with press(model) if press is not None else contextlib.nullcontext():
                 logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
-            held = [layer.keys.shape[2] for layer in cache.layers]
-            pos = len(plan.prompt.tokens)
-            for _ in range(max_tokens):
-                tok = decoder.choose(logits[0, -1].float().numpy())
-                if llama.is_eog(tok):
-                    finish = "eog"
-                    break
-                decoder.accept(tok)
-                out.append(tok)
-                if decoder.done:
-                    finish = "grammar"
-                    break
-                # positions continue the prompt's: the compressed cache is shorter than the sequence
-                logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
-                               position_ids=torch.tensor([[pos]])).logits
-                pos += 1
-    finally:
-        decoder.close()
+        except BaseException:
+            decoder.close()
+            raise
+        held = [layer.keys.shape[2] for layer in cache.layers]
+        out, finish = decode_loop(decoder, llama, logits[0, -1].float().numpy(), step, max_tokens)
     return llama.detokenize(out, special=True), finish, len(out), held
 
 

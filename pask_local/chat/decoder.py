@@ -14,6 +14,8 @@ Text outside a call is tagged ``gen_value_optional`` (free generated content).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..classes import StructuralClass
@@ -123,3 +125,25 @@ class Decoder:
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
+
+
+def decode_loop(decoder: Decoder, model: Model, logits: np.ndarray, step: Callable[[int], np.ndarray],
+                max_tokens: int) -> tuple[list[int], str]:
+    """Greedy/sampled generation outside the engine (a reference decoder such as Full KV's or
+    transformers'): choose from ``logits``, accept, and ``step(token)`` decodes the token and returns
+    the next logits, until the grammar completes ("grammar"), an end-of-generation token ("eog") or
+    ``max_tokens`` ("length"). Returns the tokens and the finish reason; closes ``decoder``."""
+    out: list[int] = []
+    try:
+        for _ in range(max_tokens):
+            tok = decoder.choose(logits)
+            if model.is_eog(tok):
+                return out, "eog"
+            decoder.accept(tok)
+            out.append(tok)
+            if decoder.done:
+                return out, "grammar"
+            logits = step(tok)
+        return out, "length"
+    finally:
+        decoder.close()

@@ -160,7 +160,7 @@ class FullKVGenerator:
         return keep
 
     def generate(self, case: Case) -> GenerationOutput:
-        from ..chat.decoder import Decoder
+        from ..chat.decoder import Decoder, decode_loop
         from ..engine import EngineConfig
 
         t0 = time.perf_counter()
@@ -178,28 +178,18 @@ class FullKVGenerator:
         decoder = Decoder(self.model, p)
         try:
             reused = self._prefill(tokens)
-            t_prefill = time.perf_counter() - t0
-            out: list[int] = []
-            finish = "length"
-            pos = len(tokens)
-            logits = self.ctx.logits()
-            for _ in range(self.spec.max_tokens):
-                tok = decoder.choose(logits)
-                if self.model.is_eog(tok):
-                    finish = "eog"
-                    break
-                decoder.accept(tok)
-                out.append(tok)
-                if decoder.done:
-                    finish = "grammar"
-                    break
-                if self.ctx.decode([tok], pos, 0, logits="last") != 0:
-                    raise PaskError("llama_decode failed during generation")
-                self._cached.append(tok)
-                pos += 1
-                logits = self.ctx.logits()
-        finally:
+        except BaseException:
             decoder.close()
+            raise
+        t_prefill = time.perf_counter() - t0
+
+        def step(tok: int) -> Any:
+            if self.ctx.decode([tok], len(self._cached), 0, logits="last") != 0:
+                raise PaskError("llama_decode failed during generation")
+            self._cached.append(tok)
+            return self.ctx.logits()
+
+        out, finish = decode_loop(decoder, self.model, self.ctx.logits(), step, self.spec.max_tokens)
         raw = self.model.detokenize(out, special=True)
         text, extra = checker_text(p, raw, finish, self.spec.max_tokens)
         return GenerationOutput(text, len(tokens), reused, len(out), time.perf_counter() - t0, t_prefill, finish,
