@@ -140,6 +140,7 @@ def _register_optional_commands() -> None:
     from .eval.cli import eval_command
     from .eval.multiturn_cli import multiturn_command
     from .prefix.cli import compress_command
+    from .rpc.cli import rpc_server_command
     from .run_cli import run_command
     from .server.cli import serve_command
     from .study.cli import study_app
@@ -152,6 +153,7 @@ def _register_optional_commands() -> None:
     app.command("calibrate")(calibrate_command)
     app.command("tui")(tui_command)
     app.command("serve")(serve_command)
+    app.command("rpc-server")(rpc_server_command)
     app.add_typer(study_app, name="study")
 
 

@@ -3,12 +3,15 @@ the generation options that ``run`` and ``serve`` share."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .errors import PaskError
 from .model_registry import MODELS
+
+if TYPE_CHECKING:
+    from .rpc.placement import Placement
 
 MODEL_HELP = (f"A named model ({', '.join(MODELS)}; `pask-local models` lists them, "
               "`pask-local models --install NAME` installs one). Not with --gguf.")
@@ -25,6 +28,32 @@ HysteresisOption = Annotated[float, typer.Option("--hysteresis", help="A layer o
 
 KvTypeOption = Annotated[str, typer.Option("--kv-type", help="K/V cache element type: f16, q8_0 or q4_0 (quantized: "
                                            "flash attention on).")]
+RpcOption = Annotated[str | None, typer.Option("--rpc", help="RPC servers (pask-local rpc-server) as host:port,...: "
+                                               "the --ngl offloaded layers, and their K/V, go there "
+                                               "(docs/rpc.md).", show_default=False)]
+TensorSplitOption = Annotated[str | None, typer.Option("--tensor-split", help="With --rpc: the share of the "
+                                                       "offloaded layers each server takes, e.g. 1,1 (default: "
+                                                       "by the servers' free memory).", show_default=False)]
+RpcTimeoutOption = Annotated[float, typer.Option("--rpc-timeout", help="With --rpc: seconds a server may take to "
+                                                 "answer (handshake, each call) before the run ends with an "
+                                                 "error.")]
+
+
+def make_placement(rpc: str | None, tensor_split: str | None, ngl: int, timeout_s: float) -> Placement | None:
+    """``--rpc``/``--tensor-split``/``--ngl`` as an ``rpc.Placement`` (None without --rpc, so --ngl alone
+    keeps its meaning), each server's handshake checked; bad values are one PaskError line."""
+    from .rpc.endpoints import parse_endpoints, parse_tensor_split
+    from .rpc.placement import Placement
+
+    if rpc is None:
+        if tensor_split is not None:
+            raise PaskError("--tensor-split divides the layers among --rpc servers: add --rpc")
+        return None
+    placement = Placement(n_layers=ngl, rpc=parse_endpoints(rpc), timeout_s=timeout_s,
+                          tensor_split=parse_tensor_split(tensor_split) if tensor_split is not None else ())
+    placement.check()
+    placement.probe()   # an unreachable server is one line before anything loads or is written
+    return placement
 
 
 def check_device_options(ngl: int, hysteresis: float, kv_type: str = "f16") -> None:

@@ -23,3 +23,7 @@ class SchemaError(PaskError):
 
 class ContextLengthError(PaskError):
     """A request's prompt plus its generation limit does not fit the context."""
+
+
+class RpcError(PaskError):
+    """An RPC server (``--rpc``) cannot be reached or used, or this build has no RPC backend."""

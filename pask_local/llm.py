@@ -14,12 +14,15 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import ModelError, NativeError
 from .models import check_gguf
+
+if TYPE_CHECKING:
+    from .rpc.placement import Placement
 
 _BACKEND_READY = False
 
@@ -78,9 +81,13 @@ def default_gpu_layers() -> int:
 
 
 class Model:
-    """A GGUF model loaded with llama.cpp (weights on CPU unless n_gpu_layers > 0; None: ``PASK_NGL``)."""
+    """A GGUF model loaded with llama.cpp (weights on CPU unless n_gpu_layers > 0; None: ``PASK_NGL``).
 
-    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None, verbose: bool = False) -> None:
+    ``placement`` (``rpc.Placement``) instead says which devices take the offloaded layers: RPC
+    servers (``--rpc``) in ``--tensor-split`` proportions; it overrides ``n_gpu_layers``."""
+
+    def __init__(self, path: str | os.PathLike[str], n_gpu_layers: int | None = None, verbose: bool = False,
+                 placement: Placement | None = None) -> None:
         self.path = Path(path)
         if n_gpu_layers is None:
             n_gpu_layers = default_gpu_layers()
@@ -89,7 +96,10 @@ class Model:
         raw = _raw()
         params = raw.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        keep = placement.model_params(params) if placement is not None else []
+        self.placement = placement
         self._ptr = raw.llama_model_load_from_file(str(self.path).encode(), params)
+        del keep   # the device and split arrays: llama.cpp copied them during the load
         if not self._ptr:
             raise ModelError(f"llama.cpp could not load {self.path} (not a supported GGUF model?)")
         self.vocab = raw.llama_model_get_vocab(self._ptr)

@@ -23,8 +23,12 @@ from .cli_options import (
     KvTypeOption,
     ModelOption,
     NglOption,
+    RpcOption,
+    RpcTimeoutOption,
+    TensorSplitOption,
     check_device_options,
     check_generation_options,
+    make_placement,
 )
 from .errors import PaskError
 from .jsonfile import read_json_file
@@ -103,6 +107,9 @@ def run_command(
                                                 "compressed K/V is restored and only what follows it is "
                                                 "prefilled (its method and budget, unless given).",
                                                 show_default=False)] = None,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
+    rpc_timeout: RpcTimeoutOption = 60.0,
 ) -> None:
     """Generate a schema-valid function call for REQUEST under a KV budget.
 
@@ -123,13 +130,14 @@ def run_command(
         raise PaskError(f"unknown --prompt-style '{prompt_style}' ({', '.join(PROMPT_STYLES)})")
     from .engine.factory import default_run_method
 
+    placement = make_placement(rpc, tensor_split, ngl, rpc_timeout)
     loaded = header = blob = None
     if prefix is not None:  # the file's method and budget unless given (checked against the file below)
         from .llm import Model
         from .models import resolve_model
         from .prefix.build import open_file
 
-        loaded = Model(resolve_model(gguf, model), n_gpu_layers=ngl)
+        loaded = Model(resolve_model(gguf, model), n_gpu_layers=ngl, placement=placement)
         header, blob = open_file(prefix, loaded)
         method = method or header.method
         if budget is None:
@@ -154,7 +162,7 @@ def run_command(
     msgs = parse_messages(convo) if convo is not None else user_message(request or "")
     default_choice = "auto" if convo is not None else "required"
     choice = parse_tool_choice(_tool_choice(tool_choice) or choice_raw or default_choice, [t.name for t in tools])
-    model = loaded or Model(resolve_model(gguf, model), n_gpu_layers=ngl)
+    model = loaded or Model(resolve_model(gguf, model), n_gpu_layers=ngl, placement=placement)
     warn = Console(stderr=True).print
     engine = Engine(model, make_method(method, model, policy, warn=lambda m: warn(f"warning: {m}")),
                     EngineConfig(budget=budget, max_tokens=max_tokens, style=PROMPT_STYLES[prompt_style],

@@ -8,7 +8,7 @@ Steps (each fails loudly with a one-line reason):
    paths) and ``ggml_kernels/`` into the tree as ``vendor/llama.cpp/pask_kernels``;
 3. sync the result into a persistent source tree (only changed files are touched, so the
    persistent CMake build dir rebuilds incrementally) and build a wheel with portable CPU flags
-   (GGML_NATIVE=OFF, explicit AVX2/FMA/F16C[/AVX512], never AMX) or ``--cuda``;
+   (GGML_NATIVE=OFF, explicit AVX2/FMA/F16C[/AVX512], never AMX; the RPC backend, without RDMA) or ``--cuda``;
 4. cache the wheel under a key (sdist sha256, hash of patches/ + native/ + ggml_kernels/, flags) and
    install it into the running interpreter's environment. An unchanged tree never rebuilds.
 
@@ -143,7 +143,12 @@ def host_has_avx512() -> bool:
 def cpu_flags(avx512: bool) -> list[str]:
     flags = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
     flags.append("-DGGML_AVX512=ON" if avx512 else "-DGGML_AVX512=OFF")
-    return flags + NO_AMX
+    return flags + NO_AMX + RPC
+
+
+# ggml's RPC backend (docs/rpc.md): `pask-local rpc-server` and --rpc. RDMA off: it would link libibverbs
+# whenever the build host has it, and a wheel must load on hosts without it.
+RPC = ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"]
 
 
 CUBLAS_WHEEL = "nvidia-cublas==13.10.0.20"   # cuBLAS 13 headers + libraries (nvidia/cu13/{include,lib})
@@ -157,7 +162,7 @@ BUNDLE_DROP = (".git", "docker", "docs", "examples", "tests", "vendor/llama.cpp/
                "vendor/llama.cpp/ci", "vendor/llama.cpp/skills", "vendor/llama.cpp/requirements",
                "vendor/llama.cpp/grammars", "vendor/llama.cpp/scripts",
                "vendor/llama.cpp/.github", "vendor/llama.cpp/.devops")
-BUNDLE_BACKENDS = ("ggml-cpu", "ggml-cuda")   # ggml/src backend directories a bundle keeps
+BUNDLE_BACKENDS = ("ggml-cpu", "ggml-cuda", "ggml-rpc")   # ggml/src backend directories a bundle keeps
 
 
 def wheel_cublas(dirs: list[Path]) -> Path | None:

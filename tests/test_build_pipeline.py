@@ -201,7 +201,8 @@ def test_bundle_is_the_patched_tree_without_what_no_build_compiles(build_script,
     assert info["patches"] == sorted(p.name for p in (REPO / "patches").glob("*.patch"))
     llama = tree / "vendor" / "llama.cpp"
     assert "pask_patch_version" in (llama / "include" / "pask.h").read_text()  # patched
-    for kept in ("src", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda", "common", "vendor", "CMakeLists.txt"):
+    for kept in ("src", "ggml/src/ggml-cpu", "ggml/src/ggml-cuda", "ggml/src/ggml-rpc", "common", "vendor",
+                 "CMakeLists.txt"):
         assert (llama / kept).exists(), kept
     for dropped in ("models", "docs", "tests", "tools", "ggml/src/ggml-vulkan", "ggml/src/ggml-metal"):
         assert not (llama / dropped).exists(), dropped

@@ -15,7 +15,17 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..cli_options import HysteresisOption, KvTypeOption, ModelOption, check_device_options
+from ..cli_options import (
+    HysteresisOption,
+    KvTypeOption,
+    ModelOption,
+    NglOption,
+    RpcOption,
+    RpcTimeoutOption,
+    TensorSplitOption,
+    check_device_options,
+    make_placement,
+)
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
 from .generator import KNOWN_METHODS
@@ -90,6 +100,10 @@ def eval_command(
                                                "group (one catalog each).")] = 5,
     catalog_seed: Annotated[int, typer.Option("--catalog-seed", help="With --catalog-tokens: the seed of the "
                                               "distractor draw (recorded per group in run.json).")] = 0,
+    ngl: NglOption = 0,
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
+    rpc_timeout: RpcTimeoutOption = 60.0,
 ) -> None:
     """Evaluate function-calling accuracy on BFCL with the official AST checker."""
     from ..models import resolve_model
@@ -116,7 +130,12 @@ def eval_command(
         raise PaskError(f"answers file not found: {answers}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be at least 1, got {max_tokens}")
-    check_device_options(0, hysteresis, kv_type)
+    check_device_options(ngl, hysteresis, kv_type)
+    placement = make_placement(rpc, tensor_split, ngl, rpc_timeout)
+    if placement is None and ngl:
+        from ..rpc.placement import Placement
+
+        placement = Placement(n_layers=ngl)   # local GPU offload (without --ngl: PASK_NGL, as before)
     if fidelity_refs is not None and not fidelity:
         raise PaskError("--fidelity-refs needs --fidelity")
     if fidelity_refs is not None and fidelity_refs.exists() and not fidelity_refs.is_dir():
@@ -137,7 +156,8 @@ def eval_command(
                      max_tokens=max_tokens, use_examples=examples, report_only=report_only,
                      prompt_style=prompt_style, fidelity=fidelity, fidelity_refs=fidelity_refs, hysteresis=hysteresis,
                      compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy,
-                     catalog_tokens=catalog_tokens, catalog_group=catalog_group, catalog_seed=catalog_seed)
+                     catalog_tokens=catalog_tokens, catalog_group=catalog_group, catalog_seed=catalog_seed,
+                     placement=placement)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -71,6 +71,7 @@ class GeneratorSpec:
     kv_type: str = "f16"           # EngineConfig.kv_type (K/V element type; quantized: flash attention)
     policy: Path | None = None     # a policy file for the methods that take one (engine POLICY_METHODS)
     shared_catalog: bool = False   # whole-prompt methods prefill each catalog prefix once (eval.prefix_once)
+    placement: Any = None          # rpc.Placement of the model's layers (--rpc, --ngl); None: PASK_NGL
 
     def method(self, name: str, model: Any) -> Any:
         """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""
@@ -130,7 +131,7 @@ class FullKVGenerator:
 
         self.budget: float | None = None
         self.spec = spec
-        self.model = Model(spec.gguf)
+        self.model = Model(spec.gguf, placement=spec.placement)
         from ..engine.core import kv_type_id
 
         kv = kv_type_id(spec.kv_type)
@@ -212,7 +213,7 @@ class EngineGenerator:
         self.method = method
         self.budget = spec.budget
         self.spec = spec
-        self.model = Model(spec.gguf)
+        self.model = Model(spec.gguf, placement=spec.placement)
         self.engine = Engine(self.model, spec.method(method, self.model), spec.engine_config(spec.budget))
 
     def describe(self) -> dict[str, Any]:
@@ -261,7 +262,7 @@ class SharedPrefillGenerator:
         from ..llm import Model
 
         self.spec = spec
-        self.model = Model(spec.gguf)
+        self.model = Model(spec.gguf, placement=spec.placement)
         self.engines: dict[Run, Any] = {}
         for method, budget in runs:
             if budget is None or method.startswith(ONCE):

@@ -89,7 +89,7 @@ class PrefixOnceGenerator(_FromPrefixes):
         if (base == "full") != (spec.budget is None):
             raise PaskError(f"method {self.method!r}: {'no' if base == 'full' else 'a'} KV budget expected")
         self.spec = spec
-        self.model = Model(spec.gguf)
+        self.model = Model(spec.gguf, placement=spec.placement)
         self.engine = Engine(self.model, spec.method(base, self.model), spec.engine_config(spec.budget or 1.0))
         self._prefixes = {}
 

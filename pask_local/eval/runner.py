@@ -71,6 +71,7 @@ class EvalConfig:
     catalog_tokens: int | None = None  # each group of cases shares a tool catalog of about this many tokens
     catalog_group: int = DEFAULT_GROUP_SIZE  # cases per catalog group
     catalog_seed: int = 0              # the distractor draw's seed (each group's is derived from it)
+    placement: Any = None              # rpc.Placement of every generator's model (--rpc, --ngl); None: PASK_NGL
 
     @property
     def ref_dir(self) -> Path:
@@ -201,7 +202,8 @@ GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int) -> GeneratorSpec:
     return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
-                         kv_type=cfg.kv_type, policy=cfg.policy, shared_catalog=cfg.catalog_tokens is not None)
+                         kv_type=cfg.kv_type, policy=cfg.policy, shared_catalog=cfg.catalog_tokens is not None,
+                         placement=cfg.placement)
 
 
 def _share_across_methods(cfg: EvalConfig, cases: list[Case], pending: dict) -> bool:
