@@ -50,14 +50,19 @@ class Server:
         self.port = _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.report = tmp / f"{name}.json"
-        self.proc = subprocess.Popen([PASKLOCAL, "rpc-server", "--port", str(self.port), "--threads", "1",
-                                      "--report", str(self.report)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = tmp / f"{name}.log"   # a file, not a pipe: nobody reads it while the server runs
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([PASKLOCAL, "rpc-server", "--port", str(self.port), "--threads", "1",
+                                          "--report", str(self.report)], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.report.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"rpc-server did not start: {self.proc.stderr.read()[-2000:]}")
+                raise AssertionError(f"rpc-server did not start: {self.tail()}")
             time.sleep(0.05)
+
+    def tail(self) -> str:
+        """The end of the server's own output (for a failure's message)."""
+        return f"rpc-server {self.endpoint} (exit {self.proc.poll()}): {self.log.read_text()[-3000:]}"
 
     def memory(self) -> dict:
         return json.loads(self.report.read_text())
@@ -69,13 +74,12 @@ class Server:
             if pred(snap):
                 return snap
             time.sleep(0.02)
-        raise AssertionError(f"{self.endpoint}: report never matched: {self.memory()}")
+        raise AssertionError(f"{self.endpoint}: report never matched: {self.memory()}; {self.tail()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self.proc.stderr.close()
 
 
 @pytest.fixture
@@ -88,6 +92,7 @@ def server_factory(tmp_path):
 
     yield start
     for s in started:
+        print(s.tail())   # pytest shows it when the test failed
         s.stop()
 
 
@@ -145,6 +150,33 @@ def test_ledger_counts_a_clients_buffers_from_the_server_log(tmp_path):
     assert json.loads(report.read_text())["buffer_bytes"] == 8
     led.on_closed()                               # the second client left
     assert json.loads(report.read_text())["buffer_bytes"] == 0
+
+
+def test_ledger_reports_from_several_threads_at_once(tmp_path):
+    """ggml's serving thread, the stdout pump and the main thread all rewrite the report: no write may
+    lose its temporary file to another (a server once died of that right after its readiness check)."""
+    import threading
+
+    from pask_local.rpc.server import Ledger
+
+    led = Ledger("127.0.0.1:1", tmp_path / "mem.json")
+    errors: list[BaseException] = []
+
+    def hammer(k: int) -> None:
+        try:
+            for i in range(300):
+                led.on_log(1, f"[alloc_buffer] device: 0, size: 8 -> remote_ptr: {k:x}{i:04x}, remote_size: 8\n")
+                led.write()
+        except BaseException as exc:   # noqa: BLE001 - the thread's failure is the test's
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(k + 1,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert json.loads((tmp_path / "mem.json").read_text())["buffers"] == 4 * 300
 
 
 @pytest.mark.slow

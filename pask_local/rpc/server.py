@@ -89,13 +89,19 @@ class Ledger:
         self.peak_bytes = max(self.peak_bytes, snap["buffer_bytes"])
         self.peak_kv_bytes = max(self.peak_kv_bytes, snap["kv_bytes"])
         snap.update(peak_buffer_bytes=self.peak_bytes, peak_kv_bytes=self.peak_kv_bytes)
-        self.write(snap)
+        self._write(snap)
 
-    def write(self, snap: dict | None = None) -> None:
+    def write(self) -> None:
+        """Write the report now (from any thread)."""
+        with self._lock:
+            self._write(self.snapshot())
+
+    def _write(self, snap: dict) -> None:
+        # under the lock: ggml's serving thread, the stdout pump and the main thread all report
         if self.report is None:
             return
         tmp = self.report.with_name(self.report.name + ".tmp")
-        tmp.write_text(json.dumps(snap or self.snapshot()) + "\n")
+        tmp.write_text(json.dumps(snap) + "\n")
         os.replace(tmp, self.report)   # a reader never sees half a report
 
 
