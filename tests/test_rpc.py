@@ -271,3 +271,33 @@ def test_server_lost_mid_run_is_one_line(gemma_path, server_factory, fault):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and f"lost an RPC server of {server.endpoint}" in lines[0], stderr
     assert waited < 3 + 10
+
+
+@pytest.mark.slow
+@needs_rpc
+def test_compress_over_rpc_writes_the_same_prefix_a_local_run_restores(gemma_path, server_factory, tmp_path):
+    """``compress --rpc``: the offloaded layers' K/V are read back from the server into the file, which
+    keeps the positions a local compression keeps (a planned method decides from the classes alone)
+    and which a run without --rpc restores. An unreachable server: one line, no file."""
+    from pask_local.prefix.file import read
+
+    tools = str(REPO / "examples" / "get_weather.json")
+    server = server_factory("c")
+    local, remote = tmp_path / "local.pkv", tmp_path / "remote.pkv"
+    common = ("compress", "--gguf", str(gemma_path), "--tools", tools, "--budget", "0.33", "--method", "pask-prior")
+    done = run_cli(*common, "--out", str(local), timeout=300)
+    assert done.returncode == 0, done.stderr
+    done = run_cli(*common, "--out", str(remote), "--rpc", server.endpoint, "--ngl", "-1", timeout=300)
+    assert done.returncode == 0, done.stderr + server.tail()
+    assert json.loads(done.stdout)["held_share"] < 0.5
+    assert server.memory()["peak_kv_bytes"] > 0   # the layers' K/V did live on the server
+    a, b = read(local, 1 << 30)[0], read(remote, 1 << 30)[0]
+    assert b.kept == a.kept and b.tokens == a.tokens and b.model_sha256 == a.model_sha256
+    out = run_cli("run", "--gguf", str(gemma_path), "--prefix", str(remote), "--budget", "0.33", "--method",
+                  "pask-prior", "--schema", tools, REQUEST, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["name"] == "get_weather"
+    gone = tmp_path / "never.pkv"
+    out = run_cli(*common, "--out", str(gone), "--rpc", f"127.0.0.1:{_free_port()}", "--ngl", "-1", timeout=60)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and "unreachable" in out.stderr
+    assert not gone.exists()

@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from ..cli_options import FlashAttnOption, KvTypeOption, ModelOption, NglOption, check_device_options
+from ..cli_options import (
+    FlashAttnOption,
+    KvTypeOption,
+    ModelOption,
+    NglOption,
+    RpcOption,
+    RpcTimeoutOption,
+    TensorSplitOption,
+    check_device_options,
+    make_placement,
+)
 from ..errors import PaskError
 
 
@@ -34,6 +44,9 @@ def compress_command(
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     kv_type: KvTypeOption = "f16",
+    rpc: RpcOption = None,
+    tensor_split: TensorSplitOption = None,
+    rpc_timeout: RpcTimeoutOption = 60.0,
 ) -> None:
     """Compress the prompt prefix (system + tools, up to the user's turn) once, without a question, and
     save it; `run --prefix` and `serve --prefix` restore it and prefill only what follows.
@@ -63,7 +76,8 @@ def compress_command(
         raise PaskError(f"--out {out} is a directory")
     if not out.parent.is_dir():
         raise PaskError(f"--out: directory {out.parent} does not exist")
-    m = Model(resolve_model(gguf, model), n_gpu_layers=ngl)
+    placement = make_placement(rpc, tensor_split, ngl, rpc_timeout)   # before the model loads or --out is written
+    m = Model(resolve_model(gguf, model), n_gpu_layers=ngl, placement=placement)
     engine = Engine(m, make_method(method, m, policy), EngineConfig(
         budget=budget, max_tokens=1, style=PROMPT_STYLES[prompt_style], flash_attn=flash_attn, kv_type=kv_type))
     policy_sha = hashlib.sha256(policy.read_bytes()).hexdigest() if policy is not None else None
