@@ -8,8 +8,11 @@ file is refused with its one line, never used.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ from serve_helpers import serve_in_thread
 from pask_local.engine.prefix_cache import Pinned, PrefixCache
 from pask_local.errors import PaskError
 from pask_local.prefix import state as kv_state
-from pask_local.prefix.file import PrefixFileError, read, write
+from pask_local.prefix.file import MAGIC, VERSION, PrefixFileError, PrefixHeader, read, write
 
 QUESTION = "What is the weather in Paris in celsius?"
 
@@ -53,6 +56,159 @@ def test_a_longer_held_full_prefix_beats_a_pinned_one():
     cache.hold(1, list(range(24)))
     start = cache.lookup(list(range(30)), [0, 1], full=True, method="full", budget=None)
     assert start.pinned is None and start.seq == 1 and start.reuse == 24
+
+
+# ------------------------------------------------------------------ the file format (no model)
+def _header(n: int = 43, n_layer: int = 4, **changes) -> PrefixHeader:
+    """A header with several classes and sparse, different kept sets per layer (n not a multiple of 8)."""
+    names = ["sink", "template", "tool_name", "param_name", "description"]
+    kept = [[0, 1, n - 1], [], list(range(n)), list(range(2, n, 3))][:n_layer]
+    h = PrefixHeader(model_sha256="a" * 64, model_name="m.gguf", n_layer=n_layer, upstream="0.3.36",
+                     template_sha256="b" * 64, style="native", tools_sha256="c" * 64, system_sha256="d" * 64,
+                     method="pask-prior", budget=0.33, policy_sha256=None, kv_type="q8_0",
+                     tokens=[(7919 * i) % 151_000 for i in range(n - 1)] + [2**32 - 1],
+                     classes=[names[(i * i) % len(names)] for i in range(n)], kept=kept, state_kind="layered",
+                     extra={"tools": ["get_weather"]})
+    return dataclasses.replace(h, **changes)
+
+
+def _frame(path: Path, head: dict | bytes, state: bytes, version: int = VERSION) -> Path:
+    """A prefix file with this header JSON (as given, unchecked), state and version, and a valid checksum."""
+    raw = head if isinstance(head, bytes) else json.dumps(head).encode("utf-8")
+    body = MAGIC + struct.pack("<IQ", version, len(raw)) + raw + struct.pack("<Q", len(state)) + state
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    return path
+
+
+def _parts(path: Path) -> tuple[dict, bytes]:
+    """(the header JSON as stored, the state) of a prefix file."""
+    data = path.read_bytes()
+    (n_head,) = struct.unpack_from("<Q", data, len(MAGIC) + 4)
+    at = len(MAGIC) + 12
+    return json.loads(data[at:at + n_head]), data[at + n_head + 8:-32]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def test_header_round_trips_through_its_packed_form(tmp_path):
+    header = _header()
+    path = tmp_path / "h.pkv"
+    write(path, header, bytes(200))
+    got, state = read(path, 10**6)
+    assert got == header and state == bytes(200)
+    raw, _ = _parts(path)
+    assert isinstance(raw["tokens"], str) and len(base64.b64decode(raw["tokens"])) == 4 * 43
+    assert sorted(raw["classes"]["names"]) == sorted(set(header.classes))
+    assert [len(base64.b64decode(b)) for b in raw["kept"]] == [6] * 4  # ceil(43 / 8)
+    assert base64.b64decode(raw["kept"][0]) == bytes([0b11, 0, 0, 0, 0, 0b100])  # positions 0, 1, 42
+    # positions come back ascending, whatever order they were given in
+    write(path, dataclasses.replace(header, kept=[[42, 0, 1], [], list(range(43))[::-1], [5]]), bytes(200))
+    assert read(path, 10**6)[0].kept == [[0, 1, 42], [], list(range(43)), [5]]
+
+
+def test_headers_no_file_can_hold_are_not_written(tmp_path):
+    path = tmp_path / "h.pkv"
+    for changes in ({"kept": [[43], [], [], []]}, {"kept": [[1, 1], [], [], []]},
+                    {"kept": [[-1], [], [], []]}, {"tokens": [2**32] + list(range(42))},
+                    {"classes": ["sink"] * 42}):
+        with pytest.raises(ValueError):
+            write(path, _header(**changes), b"")
+    with pytest.raises(ValueError, match="more than 255"):
+        write(path, _header(n=300, classes=[f"c{i}" for i in range(256)] + ["c0"] * 44,
+                            tokens=list(range(300)), kept=[[]] * 4), b"")
+    assert not path.exists()
+
+
+def _malformed(raw: dict) -> list[tuple[str, dict]]:
+    """Every way the packed fields can be wrong: (the reason read gives, the changes to ``raw``);
+    n = 43, 4 layers."""
+    names, b64codes = raw["classes"]["names"], raw["classes"]["codes"]
+    codes = base64.b64decode(b64codes)
+    kept = raw["kept"]
+    return [
+        ("tokens is not valid base64", {"tokens": "not base64!"}),
+        ("tokens is not valid base64", {"tokens": raw["tokens"][:-1]}),
+        ("not a positive multiple of 4", {"tokens": _b64(bytes(4 * 43 - 1))}),
+        ("not a positive multiple of 4", {"tokens": ""}),
+        ("tokens is not a base64 string", {"tokens": list(range(43))}),
+        ("names and codes", {"classes": ["sink"] * 43}),
+        ("names and codes", {"classes": {**raw["classes"], "more": 1}}),
+        ("class codes is not valid base64", {"classes": {"names": names, "codes": "@@@@"}}),
+        ("do not match the tokens", {"classes": {"names": names, "codes": _b64(codes[:-1])}}),
+        ("do not match the tokens", {"classes": {"names": names, "codes": _b64(codes + b"\0")}}),
+        ("outside the class names",
+         {"classes": {"names": names, "codes": _b64(codes[:-1] + bytes([len(names)]))}}),
+        ("distinct strings", {"classes": {"names": [*names[:-1], 5], "codes": b64codes}}),
+        ("distinct strings", {"classes": {"names": [*names[:-1], names[0]], "codes": b64codes}}),
+        ("distinct strings", {"classes": {"names": "sink", "codes": b64codes}}),
+        ("kept bitmap 0 is not valid base64", {"kept": ["%%%%", *kept[1:]]}),
+        ("kept bitmap 0 is not a base64 string", {"kept": [[0, 1, 42], *kept[1:]]}),
+        ("5 bytes, not 6", {"kept": [_b64(bytes(5)), *kept[1:]]}),
+        ("7 bytes, not 6", {"kept": [_b64(bytes(7)), *kept[1:]]}),
+        ("outside the prefix", {"kept": [_b64(bytes(5) + bytes([0b1000])), *kept[1:]]}),
+        ("one bitmap per layer", {"kept": kept[:-1]}),
+        ("one bitmap per layer", {"kept": kept[0]}),
+        ("bad layer count", {"n_layer": True, "kept": kept[:1]}),
+    ]
+
+
+def test_malformed_packed_fields_are_refused_with_one_line(tmp_path):
+    good = tmp_path / "good.pkv"
+    write(good, _header(), bytes(200))
+    raw, state = _parts(good)
+    for reason, changes in _malformed(raw):
+        path = _frame(tmp_path / "bad.pkv", {**raw, **changes}, state)
+        with pytest.raises(PrefixFileError, match="has a malformed header") as err:
+            read(path, 10**6)
+        assert reason in str(err.value) and "\n" not in str(err.value), (reason, str(err.value))
+    # the unchanged header, framed the same way, reads (the refusals above are the changes')
+    assert read(_frame(tmp_path / "same.pkv", raw, state), 10**6)[0] == _header()
+
+
+def test_bitmaps_cannot_unpack_to_more_entries_than_the_state_holds(tmp_path):
+    header = _header()  # 3 + 0 + 43 + 14 = 60 kept entries
+    write(tmp_path / "a.pkv", header, bytes(60))
+    assert read(tmp_path / "a.pkv", 10**6)[0] == header
+    write(tmp_path / "b.pkv", header, bytes(59))
+    with pytest.raises(PrefixFileError, match="malformed header .*60 kept entries"):
+        read(tmp_path / "b.pkv", 10**6)
+
+
+def test_a_version_1_file_is_refused_with_one_line(tmp_path):
+    v1 = dataclasses.asdict(_header())  # version 1 wrote the lists as they are
+    path = _frame(tmp_path / "old.pkv", v1, bytes(200), version=1)
+    with pytest.raises(PrefixFileError) as err:
+        read(path, 10**6)
+    assert str(err.value) == ("prefix file old.pkv has format version 1; this pask-local reads version 2 "
+                              "(compress the prefix again)")
+
+
+def test_the_header_of_an_8k_prefix_is_compact(tmp_path):
+    """8000 tokens, 28 layers each keeping a third of the positions: the header is the packed fields
+    (tokens 4 B, a class code 1 B per token, a bitmap of n/8 B per layer) in base64 (4/3), plus the
+    fixed fields; version 1's JSON lists were over 5x that."""
+    n, n_layer = 8000, 28
+    rng = np.random.default_rng(0)
+    kept = [sorted(rng.choice(n, n // 3, replace=False).tolist()) for _ in range(n_layer)]
+    names = ["sink", "template", "tool_name", "param_name", "param_type", "description", "enum_value",
+             "required", "query", "other"]
+    header = _header(n=n, n_layer=n_layer, tokens=rng.integers(0, 151_000, n).tolist(),
+                     classes=[names[i] for i in rng.integers(0, len(names), n)], kept=kept)
+    path = tmp_path / "8k.pkv"
+    write(path, header, bytes(header.held()))
+    (n_head,) = struct.unpack_from("<Q", path.read_bytes(), len(MAGIC) + 4)
+
+    def b64(size: int) -> int:
+        return 4 * -(-size // 3)
+
+    packed = b64(4 * n) + b64(n) + n_layer * b64(n // 8)  # 42,668 + 10,668 + 28 * 1,336 = 90,744
+    assert packed == 90_744
+    assert packed < n_head < packed + 1_000  # the names, hashes and punctuation: under 1 KB
+    v1 = len(json.dumps(dataclasses.asdict(header), separators=(",", ":")))
+    assert v1 > 5 * n_head
+    assert read(path, 10**8)[0] == header
 
 
 # ------------------------------------------------------------------ sequence state (native)
@@ -237,9 +393,13 @@ def test_damaged_and_foreign_files_are_refused(qwen05_model, gemma_model, prefix
     lying = _rewrite(prefix_file, tmp_path / "lying.pkv", qwen05_model, kept=kept)
     with pytest.raises(PrefixFileError, match="does not match the positions"):
         _run(qwen05_model, lying, DEFAULT_METHOD, 0.33)
-    for bad in ({"kept": [[10**6]] * header.n_layer}, {"tokens": "x"}, {"budget": 3.0}):
-        path = _rewrite(prefix_file, tmp_path / "bad.pkv", qwen05_model, **bad)
-        refused(path, "malformed header")
+    refused(_rewrite(prefix_file, tmp_path / "bad.pkv", qwen05_model, budget=3.0), "malformed header")
+    raw, state = _parts(prefix_file)  # a header no writer makes, with a valid checksum
+    n = header.n_prefix
+    past = base64.b64encode(bytes(n // 8) + bytes([1 << (n % 8)]) if n % 8 else bytes(n // 8 + 1)).decode()
+    for bad in ({"kept": [past] * header.n_layer}, {"tokens": "x"}, {"tokens": header.tokens}):
+        refused(_frame(tmp_path / "bad.pkv", {**raw, **bad}, state), "malformed header")
+    refused(_frame(tmp_path / "v1.pkv", dataclasses.asdict(header), state, version=1), "format version 1")
 
 
 @pytest.mark.slow
@@ -252,8 +412,11 @@ def test_cli_compress_run_and_refusals(prefix_file, tmp_path, cli):
     assert json.loads(out.stdout)["name"] == "get_weather"
     bad = tmp_path / "bad.pkv"
     bad.write_bytes(prefix_file.read_bytes()[:-1] + b"\0")
+    raw, state = _parts(prefix_file)
+    old = _frame(tmp_path / "old.pkv", raw, state, version=1)
     for args, line in (
             (["run", *model, "--schema", str(tools), "--prefix", str(bad), QUESTION], "damaged"),
+            (["run", *model, "--schema", str(tools), "--prefix", str(old), QUESTION], "format version 1"),
             (["run", *model, "--schema", str(tools), "--prefix", str(prefix_file), "--method", "snapkv", QUESTION],
              "this run asks for 'snapkv'"),
             (["compress", *model, "--tools", str(tools), "--method", "snapkv", "--out", str(tmp_path / "s.pkv")],
