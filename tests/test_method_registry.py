@@ -67,7 +67,8 @@ def test_every_registered_name_builds_as_its_entry_says(model):
                 make_method(entry.name, model, REPO / "does-not-matter.json")
     assert registry.DEFAULT_POLICY_METHODS == ("pask", "pask-attn", "pask-tools")
     assert registry.POLICY_METHODS == ("pask", "pask-attn", "pask-hybrid", "pask-tools")
-    assert registry.QUERY_AGNOSTIC == ("full", "streaming", "pask", "pask-prior", "floors-only", "snapkv-prefix", "kvzip", "knorm")
+    assert registry.QUERY_AGNOSTIC == ("full", "streaming", "pask", "pask-prior", "floors-only", "snapkv-prefix", "kvzip",
+                                       "pask-zip", "knorm")
     with pytest.raises(PaskError, match="unknown method 'nope'"):
         registry.get("nope")
 

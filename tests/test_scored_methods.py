@@ -1,9 +1,11 @@
-"""The query-agnostic methods that can compress a prefix once: floors-only, snapkv-prefix, kvzip.
+"""The query-agnostic methods that can compress a prefix once: floors-only, snapkv-prefix, kvzip,
+pask-zip.
 
 Oracles: SnapKV's own whole-prompt path (its observation window read from the last prefill chunk)
 on the prefix alone keeps what ``snapkv-prefix``'s scoring pass keeps; the in-graph statistics of
 the KVzip-style pass equal the eval-callback probe's (the softmax read from the graph's tensors);
-two questions behind the same tools get the same prefix scores; a restored prefix keeps its budget.
+two questions behind the same tools get the same prefix scores; a restored prefix keeps its budget;
+pask-zip keeps its policy's floors and then exactly the positions kvzip's own pass scores highest.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import evictions
 from serve_helpers import WEATHER_TIME_TOOLS as TOOLS
 
 from pask_local.classes import StructuralClass, class_index
 from pask_local.methods.registry import QUERY_AGNOSTIC, REGISTRY
-from pask_local.methods.scored import SnapKVPrefix, prefix_end
+from pask_local.methods.scored import KVzipStyle, SnapKVPrefix, prefix_end
 from pask_local.policy.schema import Policy, PolicyError
 
 Q = class_index(StructuralClass.QUERY)
@@ -24,7 +27,7 @@ D = class_index(StructuralClass.DESCRIPTION)
 
 
 def test_new_methods_are_registered_query_agnostic():
-    for name in ("floors-only", "snapkv-prefix", "kvzip"):
+    for name in ("floors-only", "snapkv-prefix", "kvzip", "pask-zip"):
         assert name in QUERY_AGNOSTIC and not REGISTRY[name].query_aware
 
 
@@ -56,6 +59,42 @@ def test_floors_residual_needs_the_newest_first_order():
     with pytest.raises(PolicyError, match="newest-first"):
         Policy(groups=pol.groups, floors=pol.floors, weights=pol.weights, within_class_order="span-head",
                residual="recent")
+
+
+def test_pask_zip_is_pask_with_kvzips_pass_and_floors():
+    """pask-zip declares kvzip's pass (same scorer, same instruction: one memo entry), is planned before
+    prefill without a native rule; every other PASK variant declares no pass and keeps its native rule."""
+    from pask_local.engine.prescore import READS
+    from pask_local.methods import LayerView
+    from pask_local.methods.pask import PASK
+    from pask_local.policy.handwritten import HYBRID_FLOORS, hybrid_policy
+
+    zip_, kvzip = REGISTRY["pask-zip"], KVzipStyle()
+    assert zip_.variant is not None and zip_.variant.order is not None
+    pol = dataclasses.replace(hybrid_policy(4), within_class_order="reconstruction", residual="reconstruction")
+    m = PASK(pol, recent=0)
+    assert (m.prompt_scorer, m.instruction) == (kvzip.prompt_scorer, kvzip.instruction)
+    assert [getattr(m, a) for a in READS[m.prompt_scorer]] == [getattr(kvzip, a) for a in READS[m.prompt_scorer]]
+    assert not m.native_step and m.prefill_mode == "planned" and not m.order.query_aware
+    assert zip_.variant.order is m.order
+    for name in ("pask", "pask-prior", "pask-attn", "pask-hybrid", "floors-only", "pask-tools"):
+        v = REGISTRY[name].variant
+        order = v.order.name if v is not None and v.order is not None else "span-head"
+        other = PASK(dataclasses.replace(hybrid_policy(4), within_class_order=order, residual="weights"))
+        assert other.prompt_scorer == "" and other.native_step, name
+    # a hand-built prompt: 2 sinks, a tool name, descriptions, the query; capacity for 3 more
+    S, N = class_index(StructuralClass.SINK), class_index(StructuralClass.TOOL_NAME)
+    classes = np.array([S, S, N, N] + [D] * 10 + [Q] * 2)
+    scores = np.zeros(16)
+    scores[[5, 8, 11, 12]] = [4.0, 3.0, 1.0, 2.0]
+    view = LayerView(layer=0, n_layer=4, positions=np.arange(16), classes=classes, prompt_len=16,
+                     all_classes=classes)
+    plan = m.bind(0.5, classes, 4, scores=[scores] * 4)
+    floored = [i for i, c in enumerate(classes) if list(StructuralClass)[c] in HYBRID_FLOORS]
+    assert floored == [0, 1, 2, 3, 14, 15]
+    assert plan.select(view, 9).tolist() == [0, 1, 2, 3, 5, 8, 12, 14, 15]  # floors, then 4 > 3 > 2 by score
+    with pytest.raises(RuntimeError, match="scores"):
+        m.bind(0.5, classes, 4).select(view, 9)  # no pass ran: it says so, it does not guess
 
 
 # ------------------------------------------------------------------ on Qwen 0.5B
@@ -122,7 +161,7 @@ def test_kvzip_scores_in_graph_equal_the_callback_probe_and_ignore_the_question(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["kvzip", "floors-only"])
+@pytest.mark.parametrize("method", ["kvzip", "floors-only", "pask-zip"])
 def test_compressed_once_then_restored_holds_the_budget(qwen05_model, tmp_path, method):
     """A restored prefix is not scored again, and its kept entries are what the request keeps."""
     from pask_local.prefix.build import compress, open_file, pin, run_from_prefix, save
@@ -140,6 +179,101 @@ def test_compressed_once_then_restored_holds_the_budget(qwen05_model, tmp_path, 
     assert res.stats["budget_used_after_prefill"] >= 0.30  # the restored entries were kept (unscored: 0.18)
     assert res.stats["max_over_budget_entries"] == 0
     assert res.ok and res.parsed["name"] in {t["function"]["name"] for t in TOOLS}
+
+
+def _kept_after_prefill(engine, prepared, trace):
+    """A real run's result and, per layer, the prompt positions it holds once its prefill is over (its
+    trace's prefill evictions taken from the whole prompt)."""
+    res = engine.execute(prepared, trace)
+    n, n_layer = res.stats["n_prompt"], engine.model.n_layer
+    gone = [set() for _ in range(n_layer)]
+    for (step, layer, _), pos in evictions(trace).items():
+        if step == -1:
+            gone[layer] |= pos
+    return res, [set(range(n)) - g for g in gone]
+
+
+@pytest.mark.slow
+def test_pask_zip_keeps_the_floors_then_what_kvzips_pass_scores_highest(qwen05_model, tmp_path):
+    """Oracle: the policy's floors (and PASK's newest ``recent``) whole, then, per layer, the remaining
+    positions ranked by the scores kvzip's own pass gives the same prompt (ranked here, ties newer first).
+    The run shares that pass through the memo (one entry after both), and holds the budget."""
+    from pask_local.engine import prescore
+
+    engine = _engine(qwen05_model, "pask-zip")
+    m, n_layer = engine.method, qwen05_model.n_layer
+    prepared, toks, cls = _prompt(engine, "What is the weather in Paris in celsius?")
+    n, end = len(toks), prefix_end(cls)
+    prescore._MEMO.clear()
+    scores = prescore.prompt_scores(qwen05_model, KVzipStyle(), toks, end, engine.cfg)
+    res, kept = _kept_after_prefill(engine, prepared, tmp_path / "t.jsonl")
+    assert len(prescore._MEMO) == 1  # the run's pass was kvzip's
+    assert res.stats["max_over_budget_entries"] <= 0 and res.stats["budget_used_after_prefill"] <= 0.34
+    assert res.ok
+    pol, pos = m.policy, np.arange(n)
+    group_of, caps = pol.group_of_layer(), m.capacities(engine.cfg.budget, cls, n_layer)
+    for il in range(n_layer):
+        floors = pol.floors[group_of[il]]
+        for c, f in floors.items():  # every floor quota held
+            members = set(np.flatnonzero(cls == class_index(c)).tolist())
+            assert len(members & kept[il]) >= np.ceil(f * len(members) - 1e-9), (il, c)
+        assert set(floors.values()) <= {0.0, 1.0}
+        whole = [class_index(c) for c, f in floors.items() if f > 0] + [class_index(c) for c in pol.never_evict]
+        forced = np.isin(cls, whole) | (pos >= n - m.recent)
+        assert len(kept[il]) == caps[il]
+        room = caps[il] - int(forced.sum())
+        assert room > 10, room
+        rest = np.flatnonzero(~forced)
+        best = rest[np.lexsort((-rest, -scores[il][rest]))[:room]]  # highest score first; ties newer first
+        assert kept[il] == set(pos[forced].tolist()) | set(best.tolist()), il
+        # the oracle tells the score apart from a positional residual
+        assert set(best.tolist()) != set(rest[:room].tolist()) and set(best.tolist()) != set(rest[-room:].tolist())
+
+
+@pytest.mark.slow
+def test_pask_zip_keeps_the_same_catalog_for_another_question(qwen05_model, tmp_path):
+    """Two questions of equal length behind the same catalog: the same catalog positions in every
+    layer (the pass never reads the question; the memo is cleared so each prompt is scored anew)."""
+    from pask_local.engine import prescore
+
+    engine = _engine(qwen05_model, "pask-zip")
+    held = []
+    for k, question in enumerate(("What is the weather in Paris in celsius?",
+                                  "Time in Tokyo now, please, and quickly?")):
+        prescore._MEMO.clear()
+        prepared, toks, cls = _prompt(engine, question)
+        held.append((toks, prefix_end(cls), _kept_after_prefill(engine, prepared, tmp_path / f"{k}.jsonl")[1]))
+    (toks, end, a), (toks2, end2, b) = held
+    assert len(toks) == len(toks2) and toks != toks2 and end == end2
+    for il in range(qwen05_model.n_layer):
+        cat_a, cat_b = {p for p in a[il] if p < end}, {p for p in b[il] if p < end}
+        assert cat_a == cat_b, il
+        assert len(cat_a) < 0.5 * end  # the catalog was cut
+
+
+@pytest.mark.slow
+def test_pask_zip_at_budget_one_is_full_kv(qwen05_model):
+    full = _engine(qwen05_model, "full", budget=1.0)
+    ours = _engine(qwen05_model, "pask-zip", budget=1.0)
+    for question in ("What is the weather in Paris in celsius?", "Time in Tokyo now, please, and quickly?"):
+        want = full.execute(_prompt(full, question)[0])
+        got = ours.execute(_prompt(ours, question)[0])
+        assert want.tokens and got.tokens == want.tokens and got.text == want.text
+
+
+@pytest.mark.slow
+def test_cli_compress_pask_zip_then_run_from_it(tmp_path, cli):
+    import json
+
+    tools, out = tmp_path / "tools.json", tmp_path / "zip.pkv"
+    tools.write_text(json.dumps(TOOLS))
+    model = ["--model", "qwen2.5-coder-0.5b"]
+    done = cli("compress", *model, "--tools", str(tools), "--method", "pask-zip", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 0
+    ran = cli("run", *model, "--schema", str(tools), "--prefix", str(out), "What is the weather in Paris in celsius?")
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout)["name"] in {t["function"]["name"] for t in TOOLS}
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ while it reads by those scores, so the pass costs one extra prefill of the prefi
   statistic with the observation window at the prefix's own tail).
 - ``reconstruction``: the prefix is read, then re-presented after an instruction to repeat it; each
   entry's score is the attention mass every query of the repetition pays it, summed over queries and
-  heads (KVzip's reconstruction idea, read per layer).
+  heads (KVzip's reconstruction idea, read per layer). ``kvzip`` and ``pask-zip`` (PASK's
+  ``reconstruction`` order) declare it with the same instruction: behind one catalog they share a pass.
 - ``key-norm``: no attention at all: each entry's key norm, read from the cache's saved K rows
   (``kv_rows``); KNorm keeps the keys of lowest norm.
 """
@@ -29,11 +30,13 @@ from ..attention import SUM, WINDOW, AttentionProbe, cell_positions, probed_laye
 from ..errors import NativeError
 from ..kv_rows import key_rows
 from ..llm import Model
-from ..methods.scored import KVzipStyle, ScoredMethod, SnapKVPrefix
+from ..methods.base import Method
+from ..methods.scored import SnapKVPrefix
 from .kv_stream import context_config, flash_attn_for
 from .types import EngineConfig
 
-Scorer = Callable[[Model, ScoredMethod, list[int], EngineConfig], list[np.ndarray]]
+# a method that declares ``prompt_scorer`` (and, for the pass that reads them, ``window`` / ``instruction``)
+Scorer = Callable[[Model, Method, list[int], EngineConfig], list[np.ndarray]]
 
 
 def _context(model: Model, n_cells: int, cfg: EngineConfig, probe: AttentionProbe, stat: int):
@@ -67,7 +70,7 @@ def _decode(ctx, tokens: list[int], pos0: int, chunk: int, probe: AttentionProbe
             each()
 
 
-def window_before_query(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig
+def window_before_query(model: Model, method: Method, prefix: list[int], cfg: EngineConfig
                         ) -> list[np.ndarray]:
     assert isinstance(method, SnapKVPrefix)
     n, window = len(prefix), max(1, method.window)
@@ -89,10 +92,10 @@ def window_before_query(model: Model, method: ScoredMethod, prefix: list[int], c
     return scores
 
 
-def reconstruction(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
-    assert isinstance(method, KVzipStyle)
+def reconstruction(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
     n = len(prefix)
-    again = model.tokenize(method.instruction) + list(prefix[1:] if prefix and prefix[0] == _bos(model) else prefix)
+    instruction: str = method.instruction  # type: ignore[attr-defined]
+    again = model.tokenize(instruction) + list(prefix[1:] if prefix and prefix[0] == _bos(model) else prefix)
     scores = [np.zeros(n) for _ in range(model.n_layer)]
     probe = AttentionProbe(model.n_layer, cfg.probe_window)
     ctx = _context(model, n + len(again) + 1, cfg, probe, SUM)
@@ -107,7 +110,7 @@ def reconstruction(model: Model, method: ScoredMethod, prefix: list[int], cfg: E
     return scores
 
 
-def key_norm(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
+def key_norm(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
     """Minus each entry's key norm (L2 per KV head, averaged over heads): low-norm keys rank first."""
     from ..kv_layered import LayeredContext
     from ..prefix import state as kv_state
@@ -150,6 +153,10 @@ def _bos(model: Model) -> int | None:
 
 SCORERS: dict[str, Scorer] = {"window-before-query": window_before_query, "reconstruction": reconstruction,
                                "key-norm": key_norm}
+# what each pass reads of its method besides the prompt (its memo key): two methods that declare the
+# same pass with the same values share it
+READS: dict[str, tuple[str, ...]] = {"window-before-query": ("window",), "reconstruction": ("instruction",),
+                                     "key-norm": ()}
 
 
 # The last few passes, by what they read: requests behind the same catalog (an eval group, a server's
@@ -159,13 +166,13 @@ _MEMO_SIZE = 4
 _MEMO_LOCK = threading.Lock()
 
 
-def _memo_key(model: Model, method: ScoredMethod, prefix: list[int], cfg: EngineConfig) -> tuple:
-    rule = (method.prompt_scorer, getattr(method, "window", None), getattr(method, "instruction", None))
+def _memo_key(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> tuple:
+    rule = (method.prompt_scorer, *(getattr(method, a) for a in READS[method.prompt_scorer]))
     setup = (cfg.chunk, cfg.probe_window, cfg.cell_align, cfg.kv_type, cfg.flash_attn, cfg.graph_stats)
     return (model.path, rule, setup, hashlib.sha256(np.asarray(prefix, dtype=np.int64).tobytes()).hexdigest())
 
 
-def prompt_scores(model: Model, method: ScoredMethod, tokens: list[int], obs_end: int, cfg: EngineConfig
+def prompt_scores(model: Model, method: Method, tokens: list[int], obs_end: int, cfg: EngineConfig
                   ) -> list[np.ndarray]:
     """Per layer, a score for each of the ``len(tokens)`` prompt positions (0 from ``obs_end`` on)."""
     scorer = SCORERS.get(method.prompt_scorer)

@@ -35,10 +35,11 @@ def pask_method(policy: Policy | str | Path | None, n_layer: int, swa_layers: tu
         pol = Policy.load(policy)
     pol.check_model(n_layer)
     method = PASK(pol, swa_layers=swa_layers, window=window)
-    if method.needs_attention:
+    if method.needs_attention or method.prompt_scorer:
         # kvpress hands a press no attention statistic of the prompt's last queries (SnapKV's window)
+        # and runs no scoring pass of pask-local's
         raise PaskError(f"policy order '{pol.within_class_order}' ranks by attention: PASKPress runs the "
-                        "structural orders only (pask-local's pask-attn / pask-hybrid do attention)")
+                        "structural orders only (pask-local's pask-attn / pask-hybrid / pask-zip do attention)")
     return method
 
 

@@ -22,6 +22,10 @@ capacity left after them goes to the tokens the observation window attends to mo
 class (every class without a floor shares one protection rank, so attention alone orders them).
 Structure says what must persist (names, the query, the call); attention ranks everything else.
 With ``residual`` ``recent`` (the ``floors-only`` variant) the newest tokens fill the rest instead.
+With ``residual`` ``reconstruction`` (the ``pask-zip`` variant) the order ``reconstruction`` fills it: the
+entries a re-presentation of the part before the user's turn attends to most (the scoring pass of
+``kvzip``, ``engine.prescore``; the order declares it, so the engine runs it and ``bind`` gets its
+per-layer scores). It never reads the question: decided before prefill, and a prefix compresses once.
 With the structural orders only this lookup runs online and the prompt is evicted while it is
 prefilled; ``attention`` needs the statistic, so the prompt is prefilled whole and compressed once.
 The within-class orders are small ``Order`` objects (``ORDERS``, by the policy's name for them); a
@@ -42,6 +46,7 @@ from ..classes import PROTECTION_ORDER, StructuralClass, class_index
 from ..policy import Policy, compile_policy
 from ..tagging.relevance import tool_relevance
 from .base import LayerView, Method, MethodPlan, PrefillMode, StepRule
+from .scored import KVzipStyle, prefix_end
 from .snapkv import pool_scores
 
 _ALL = list(StructuralClass)
@@ -57,6 +62,8 @@ class Order:
     name: str = "oldest-first"
     needs_attention: bool = False    # ranks by the observation window's attention: prefilled whole first
     reads_prompt_text: bool = False  # ranks by the prompt's words (bind gets the token texts)
+    prompt_scorer: str = ""          # ranks by a scoring pass run before prefill (``engine.prescore``):
+    instruction: str = ""            # bind gets its per-layer scores; what the pass reads with
 
     @property
     def query_aware(self) -> bool:
@@ -121,9 +128,27 @@ class ToolRelevance(Order):
         return np.where(pos < prompt_len, priority[np.minimum(pos, max(0, prompt_len - 1))], head)
 
 
+@dataclass(frozen=True)
+class ReconstructionOrder(Order):
+    """The entries a re-presentation of the part before the user's turn attends to most persist first
+    (``kvzip``'s scoring pass: the same ``prompt_scorer`` and ``instruction``, so the two share one pass
+    through its memo). Scores as they are (``kvzip`` pools nothing either); ties: newer first."""
+
+    name: str = "reconstruction"
+    prompt_scorer: str = KVzipStyle.prompt_scorer
+    instruction: str = KVzipStyle.instruction
+
+    def worth(self, pos, all_classes, scores, prompt_len, priority) -> np.ndarray:
+        if scores is None:
+            raise RuntimeError("PASK with within_class_order 'reconstruction' needs its scoring pass's scores "
+                               "(bind with scores=)")
+        return np.lexsort((pos, scores)).argsort().astype(np.float64)  # rank; ties: newer first
+
+
 OLDEST_FIRST, NEWEST_FIRST, SPAN_HEAD = Order(), NewestFirst(), SpanHead()
-ATTENTION, TOOL_RELEVANCE = AttentionOrder(), ToolRelevance()
-ORDERS: dict[str, Order] = {o.name: o for o in (OLDEST_FIRST, NEWEST_FIRST, SPAN_HEAD, ATTENTION, TOOL_RELEVANCE)}
+ATTENTION, TOOL_RELEVANCE, RECONSTRUCTION = AttentionOrder(), ToolRelevance(), ReconstructionOrder()
+ORDERS: dict[str, Order] = {o.name: o for o in (OLDEST_FIRST, NEWEST_FIRST, SPAN_HEAD, ATTENTION, TOOL_RELEVANCE,
+                                                RECONSTRUCTION)}
 
 
 class PASK(Method):
@@ -156,14 +181,33 @@ class PASK(Method):
         return self.order.reads_prompt_text
 
     @property
+    def prompt_scorer(self) -> str:  # type: ignore[override]
+        return self.order.prompt_scorer
+
+    @property
+    def instruction(self) -> str:
+        return self.order.instruction
+
+    @property
+    def native_step(self) -> bool:  # type: ignore[override]
+        # the native rule knows the structural orders only, not per-layer prompt scores
+        return not self.order.prompt_scorer
+
+    def obs_end(self, classes: np.ndarray) -> int:
+        """A scoring pass reads prompt positions [0, obs_end): the part before the user's turn."""
+        return prefix_end(classes)
+
+    @property
     def prefill_mode(self) -> PrefillMode:  # type: ignore[override]
         # ranking by attention needs the observation window's statistic: the whole prompt first;
         # a structural order is decided before prefill
         return PrefillMode.WHOLE_THEN_COMPRESS if self.order.needs_attention else PrefillMode.PLANNED
 
-    def bind(self, budget: float, classes: np.ndarray, n_layer: int,
-             pieces: list[str] | None = None) -> PASKPlan:
-        """Compile the policy for this prompt (class quotas per group, layer capacities)."""
+    def bind(self, budget: float, classes: np.ndarray, n_layer: int, pieces: list[str] | None = None,
+             scores: list[np.ndarray] | None = None, pooled: bool = True) -> PASKPlan:
+        """Compile the policy for this prompt (class quotas per group, layer capacities). ``scores``:
+        per layer, one per prompt position, for an order with a ``prompt_scorer`` (``engine.prescore``;
+        a restored prefix's held marks come with ``pooled`` False: the order pools nothing either way)."""
         self.policy.check_model(n_layer)
         prompt_classes = np.array(classes, dtype=np.int64)
         counts = np.bincount(prompt_classes, minlength=len(_ALL))
@@ -175,9 +219,12 @@ class PASK(Method):
         priority = None  # without pieces a tool-relevance plan sizes but cannot select (select says so)
         if order.reads_prompt_text and pieces is not None:
             priority = relevance_priority(tool_relevance(pieces, prompt_classes), prompt_classes)
+        frozen = None
+        if scores is not None and order.prompt_scorer:
+            frozen = tuple(np.array(s, dtype=np.float64) for s in scores)  # its own copy: made read-only
         return PASKPlan(self, tuple(compiled.layer_capacity), tuple(compiled.warnings), priority,
                         keep=tuple(MappingProxyType(dict(k)) for k in keep), prompt_classes=prompt_classes,
-                        order=order)
+                        order=order, prompt_scores=frozen)
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         return list(self.bind(budget, classes, n_layer).capacities)
@@ -198,14 +245,15 @@ class PASK(Method):
 @dataclass(frozen=True, eq=False)
 class PASKPlan(MethodPlan):
     """PASK bound to one prompt: the compiled class shares per group (``keep``), the prompt's classes
-    (the held tail) and the order it ranks by."""
+    (the held tail), the order it ranks by and, for an order with a scoring pass, its per-layer scores."""
 
     keep: tuple[MappingProxyType, ...] = ()
     prompt_classes: np.ndarray | None = None
     order: Order = OLDEST_FIRST
+    prompt_scores: tuple[np.ndarray, ...] | None = None
 
     def __post_init__(self) -> None:
-        for a in (self.prompt_classes, self.priority):
+        for a in (self.prompt_classes, self.priority, *(self.prompt_scores or ())):
             if a is not None:
                 a.flags.writeable = False  # shared by every reader of the plan
 
@@ -228,7 +276,7 @@ class PASKPlan(MethodPlan):
             recent[others[np.argsort(pos[others])[len(others) - n_recent:]]] = True
         kept = recent.copy()
         # higher persists first
-        worth = self.order.worth(pos, view.all_classes, view.scores, view.prompt_len, self.priority)
+        worth = self.order.worth(pos, view.all_classes, self._scores(view), view.prompt_len, self.priority)
         for ci in np.unique(cls):
             of_class = cls == ci
             members = np.flatnonzero(of_class & ~kept)
@@ -249,6 +297,16 @@ class PASKPlan(MethodPlan):
             order = np.lexsort((-worth[idx], rank[cls[idx]]))  # most protective, most worth first
             kept[idx[order[: capacity - kept.sum()]]] = True
         return np.sort(pos[kept])
+
+    def _scores(self, view: LayerView) -> np.ndarray | None:
+        """What the order ranks by: the view's statistic, or this layer's prompt scores (0 past the prompt)."""
+        if self.prompt_scores is None:
+            return view.scores
+        layer = self.prompt_scores[view.layer]
+        inside = view.positions < len(layer)
+        out = np.zeros(len(view.positions))
+        out[inside] = layer[view.positions[inside]]
+        return out
 
     def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
         m: PASK = self.method  # type: ignore[assignment]

@@ -23,7 +23,7 @@ from ..errors import PaskError
 from .base import Method, PrefillMode
 from .full import FullKV
 from .h2o import H2O
-from .pask import ATTENTION, NEWEST_FIRST, PASK, TOOL_RELEVANCE, Order
+from .pask import ATTENTION, NEWEST_FIRST, PASK, RECONSTRUCTION, TOOL_RELEVANCE, Order
 from .pyramidkv import PyramidKV
 from .scored import KNorm, KVzipStyle, SnapKVPrefix
 from .snapkv import SnapKV
@@ -158,6 +158,10 @@ ENTRIES: tuple[MethodEntry, ...] = (
     MethodEntry("kvzip", "KVzip-style: entries scored by the attention a re-presentation of the prefix pays them",
                 PrefillMode.PLANNED, False, "scores how much rebuilding the prefix itself needs each entry "
                 "(a scoring pass reads only the part before the user's turn)", KVzipStyle),
+    MethodEntry("pask-zip", "structural floors; the rest of the budget by kvzip's reconstruction score",
+                PrefillMode.PLANNED, False, "floors by class; beyond them, kvzip's scoring pass ranks (it reads "
+                "only the part before the user's turn)",
+                variant=PaskVariant(order=RECONSTRUCTION, residual="reconstruction", policy="hybrid")),
     MethodEntry("knorm", "KNorm: the keys of lowest norm persist (no attention, no scores from queries)",
                 PrefillMode.PLANNED, False, "reads only the prefix's own keys (a pass over the part before "
                 "the user's turn)", KNorm),

@@ -24,14 +24,17 @@ KINDS = ("hand-written", "calibrated", "mapped")
 # Which tokens of a class go first when only part of it persists: the oldest, the newest, or the
 # tails of spans (a span is a run of same-class tokens, e.g. one description: its first tokens persist);
 # ``tool-relevance``: span-head, but the entries of the tools the query's words point to persist first
-# (``tagging.relevance``, decided before prefill from the prompt's text); ``attention``: by attention.
-ORDERS = ("oldest-first", "newest-first", "span-head", "attention", "tool-relevance")
+# (``tagging.relevance``, decided before prefill from the prompt's text); ``attention``: by attention;
+# ``reconstruction``: by the attention a re-presentation of the part before the user's turn pays each
+# entry (``kvzip``'s scoring pass, run before prefill; it never reads the question).
+ORDERS = ("oldest-first", "newest-first", "span-head", "attention", "tool-relevance", "reconstruction")
 # What the capacity left after the floors goes to: ``weights`` (water-filled over the classes by
 # weight, then ranked inside each class) or ``attention`` (no class shares beyond the floors: the
 # highest-attention tokens of any class; needs within_class_order "attention") or ``recent`` (no class
-# shares beyond the floors: the newest tokens of any class; needs within_class_order "newest-first").
-RESIDUALS = ("weights", "attention", "recent")
-_RESIDUAL_ORDER = {"attention": "attention", "recent": "newest-first"}
+# shares beyond the floors: the newest tokens of any class; needs within_class_order "newest-first") or
+# ``reconstruction`` (as ``attention``, by the reconstruction score; needs within_class_order "reconstruction").
+RESIDUALS = ("weights", "attention", "recent", "reconstruction")
+_RESIDUAL_ORDER = {"attention": "attention", "recent": "newest-first", "reconstruction": "reconstruction"}
 
 
 class PolicyError(PaskError):
