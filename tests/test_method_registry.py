@@ -68,7 +68,7 @@ def test_every_registered_name_builds_as_its_entry_says(model):
     assert registry.DEFAULT_POLICY_METHODS == ("pask", "pask-attn", "pask-tools")
     assert registry.POLICY_METHODS == ("pask", "pask-attn", "pask-hybrid", "pask-tools")
     assert registry.QUERY_AGNOSTIC == ("full", "streaming", "pask", "pask-prior", "floors-only", "snapkv-prefix", "kvzip",
-                                       "pask-zip", "knorm")
+                                       "pask-zip", "knorm", "keydiff")
     with pytest.raises(PaskError, match="unknown method 'nope'"):
         registry.get("nope")
 

@@ -27,7 +27,7 @@ D = class_index(StructuralClass.DESCRIPTION)
 
 
 def test_new_methods_are_registered_query_agnostic():
-    for name in ("floors-only", "snapkv-prefix", "kvzip", "pask-zip"):
+    for name in ("floors-only", "snapkv-prefix", "kvzip", "pask-zip", "knorm", "keydiff"):
         assert name in QUERY_AGNOSTIC and not REGISTRY[name].query_aware
 
 
@@ -340,3 +340,58 @@ def test_knorm_keeps_the_lowest_norm_keys_of_the_prefix(qwen05_model):
     dropped = [p for p in range(4, end) if p not in set(kept)]
     assert np.all(scores[5][:end] < 0)  # minus a norm
     assert min(scores[5][free]) >= max(scores[5][dropped])  # the lowest norms (highest scores) stayed
+
+
+def _kvpress_keydiff(keys):
+    """KeyDiff's score on keys [batch, heads, seq, head_dim]: kvpress's own press where kvpress is
+    installed (the optional extra), else the same two lines of torch written from the paper."""
+    import torch.nn.functional as F
+
+    try:
+        from kvpress import KeyDiffPress
+    except ImportError:
+        anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)
+        return -F.cosine_similarity(keys, anchor, dim=-1)
+    return KeyDiffPress().score(None, None, keys, None, None, {})
+
+
+@pytest.mark.slow
+def test_keydiff_scores_are_kvpress_keydiff_over_the_prefix_keys(qwen05_model):
+    """Oracle: kvpress's KeyDiffPress.score on the prefix's keys read from a separate plain prefill,
+    averaged over KV heads, equals the scoring pass; the plan keeps the best-scored free positions."""
+    import torch
+
+    from pask_local.engine.kv_stream import context_config
+    from pask_local.engine.prescore import prompt_scores
+    from pask_local.kv_layered import LayeredContext
+    from pask_local.kv_rows import key_rows
+    from pask_local.methods import LayerView
+    from pask_local.prefix import state as kv_state
+
+    engine = _engine(qwen05_model, "keydiff")
+    _, toks, cls = _prompt(engine, "What is the weather in Paris in celsius?")
+    end = prefix_end(cls)
+    scores = prompt_scores(qwen05_model, engine.method, toks, end, engine.cfg)
+    cells = -(-(end + 1) // 256) * 256
+    ctx = LayeredContext(qwen05_model, [cells] * qwen05_model.n_layer, context_config(cells, 64, "f16", False))
+    try:
+        assert ctx.decode(toks[:end], 0) == 0
+        rows = key_rows(kv_state.save(ctx, 0)[1:])
+    finally:
+        ctx.close()
+    for il in (0, 5, qwen05_model.n_layer - 1):
+        pos, k = rows[il]
+        order = np.argsort(pos)
+        keys = torch.tensor(k[order].reshape(len(pos), -1, 64), dtype=torch.float64).permute(1, 0, 2)[None]
+        want = _kvpress_keydiff(keys)[0].mean(dim=0).numpy()
+        assert np.sort(pos).tolist() == list(range(end))
+        np.testing.assert_allclose(scores[il][:end], want, atol=2e-3)
+        assert np.all(scores[il][end:] == 0)
+    plan = engine.method.bind(0.33, cls, qwen05_model.n_layer, scores=scores)
+    view = LayerView(layer=5, n_layer=qwen05_model.n_layer, positions=np.arange(len(toks)), classes=cls,
+                     prompt_len=len(toks), all_classes=cls)
+    kept = set(plan.select(view, plan.capacities[5]).tolist())
+    free = [p for p in range(4, end) if p in kept]
+    dropped = [p for p in range(4, end) if p not in kept]
+    assert free and dropped
+    assert min(scores[5][free]) >= max(scores[5][dropped])

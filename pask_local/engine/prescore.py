@@ -15,6 +15,8 @@ while it reads by those scores, so the pass costs one extra prefill of the prefi
   ``reconstruction`` order) declare it with the same instruction: behind one catalog they share a pass.
 - ``key-norm``: no attention at all: each entry's key norm, read from the cache's saved K rows
   (``kv_rows``); KNorm keeps the keys of lowest norm.
+- ``key-diff``: no attention either: each key's cosine similarity to its head's mean unit key over the
+  prefix (the anchor); KeyDiff keeps the keys least similar to it.
 """
 
 from __future__ import annotations
@@ -110,8 +112,9 @@ def reconstruction(model: Model, method: Method, prefix: list[int], cfg: EngineC
     return scores
 
 
-def key_norm(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
-    """Minus each entry's key norm (L2 per KV head, averaged over heads): low-norm keys rank first."""
+def _prefix_keys(model: Model, prefix: list[int], cfg: EngineConfig) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Per layer, the prefix's cached keys as (positions, [entries, KV heads, head_dim]) (None: a layer
+    whose K rows the save does not hold), read from a plain prefill's saved state (``kv_rows``)."""
     from ..kv_layered import LayeredContext
     from ..prefix import state as kv_state
 
@@ -125,16 +128,42 @@ def key_norm(model: Model, method: Method, prefix: list[int], cfg: EngineConfig)
     finally:
         ctx.close()
     head_dim = _head_dim(model)
-    scores = [np.zeros(n) for _ in range(model.n_layer)]
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
     for il, layer in enumerate(rows):
         if layer is None:
+            out.append(None)
             continue
         pos, k = layer
         if k.shape[1] % head_dim:
             raise NativeError(f"layer {il}: K rows of {k.shape[1]} values are not heads of {head_dim}")
-        norms = np.linalg.norm(k.reshape(len(pos), -1, head_dim), axis=2).mean(axis=1)
         ok = pos < n
-        scores[il][pos[ok]] = -norms[ok]
+        out.append((pos[ok], k[ok].reshape(int(ok.sum()), -1, head_dim).astype(np.float64)))
+    return out
+
+
+def key_norm(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
+    """Minus each entry's key norm (L2 per KV head, averaged over heads): low-norm keys rank first."""
+    scores = [np.zeros(len(prefix)) for _ in range(model.n_layer)]
+    for layer, keys in zip(scores, _prefix_keys(model, prefix, cfg), strict=True):
+        if keys is not None:
+            pos, k = keys
+            layer[pos] = -np.linalg.norm(k, axis=2).mean(axis=1)
+    return scores
+
+
+def key_diff(model: Model, method: Method, prefix: list[int], cfg: EngineConfig) -> list[np.ndarray]:
+    """Minus each key's cosine similarity to its head's anchor (the mean of the prefix's unit keys),
+    averaged over a layer's KV heads: the keys least like the rest rank first (KeyDiff)."""
+    eps = 1e-12
+    scores = [np.zeros(len(prefix)) for _ in range(model.n_layer)]
+    for layer, keys in zip(scores, _prefix_keys(model, prefix, cfg), strict=True):
+        if keys is None or not len(keys[0]):
+            continue
+        pos, k = keys
+        unit = k / np.maximum(np.linalg.norm(k, axis=2, keepdims=True), eps)
+        anchor = unit.mean(axis=0)                                   # [heads, head_dim]
+        anchor /= np.maximum(np.linalg.norm(anchor, axis=1, keepdims=True), eps)
+        layer[pos] = -np.einsum("nhd,hd->nh", unit, anchor).mean(axis=1)
     return scores
 
 
@@ -152,11 +181,11 @@ def _bos(model: Model) -> int | None:
 
 
 SCORERS: dict[str, Scorer] = {"window-before-query": window_before_query, "reconstruction": reconstruction,
-                               "key-norm": key_norm}
+                               "key-norm": key_norm, "key-diff": key_diff}
 # what each pass reads of its method besides the prompt (its memo key): two methods that declare the
 # same pass with the same values share it
 READS: dict[str, tuple[str, ...]] = {"window-before-query": ("window",), "reconstruction": ("instruction",),
-                                     "key-norm": ()}
+                                     "key-norm": (), "key-diff": ()}
 
 
 # The last few passes, by what they read: requests behind the same catalog (an eval group, a server's

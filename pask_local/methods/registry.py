@@ -25,7 +25,7 @@ from .full import FullKV
 from .h2o import H2O
 from .pask import ATTENTION, NEWEST_FIRST, PASK, RECONSTRUCTION, TOOL_RELEVANCE, Order
 from .pyramidkv import PyramidKV
-from .scored import KNorm, KVzipStyle, SnapKVPrefix
+from .scored import KeyDiff, KNorm, KVzipStyle, SnapKVPrefix
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 from .tova import TOVA
@@ -165,6 +165,9 @@ ENTRIES: tuple[MethodEntry, ...] = (
     MethodEntry("knorm", "KNorm: the keys of lowest norm persist (no attention, no scores from queries)",
                 PrefillMode.PLANNED, False, "reads only the prefix's own keys (a pass over the part before "
                 "the user's turn)", KNorm),
+    MethodEntry("keydiff", "KeyDiff: the keys least like their head's mean key direction persist (no attention)",
+                PrefillMode.PLANNED, False, "reads only the prefix's own keys (a pass over the part before "
+                "the user's turn)", KeyDiff),
     MethodEntry("pask-tools", "PASK's class shares; the tools the query's words name persist first",
                 PrefillMode.PLANNED, True, "reads the question's words (tagging.relevance) to order the tools",
                 variant=PaskVariant(order=TOOL_RELEVANCE), takes_policy=True),

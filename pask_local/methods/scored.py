@@ -15,6 +15,8 @@ compress``).
   scored by the attention the repetition's queries pay it (summed over queries and heads: a
   layer-level, sum-pooled reading of KVzip's reconstruction score).
 - ``KNorm``: score-free: the keys of lowest L2 norm persist (averaged over a layer's KV heads).
+- ``KeyDiff``: score-free: the keys least similar (cosine) to their head's mean key direction over
+  the prefix persist (averaged over a layer's KV heads): distinct keys over typical ones.
 
 A request that starts from a restored (already compressed) prefix runs no scoring pass: the engine
 scores what the stream holds 1 and the rest 0, so the prefix's kept entries rank first (the oldest
@@ -122,3 +124,7 @@ class KVzipStyle(ScoredMethod):
 
 class KNorm(ScoredMethod):
     prompt_scorer = "key-norm"
+
+
+class KeyDiff(ScoredMethod):
+    prompt_scorer = "key-diff"
