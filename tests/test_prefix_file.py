@@ -502,3 +502,19 @@ def test_prefix_dir_saves_a_new_catalog_and_restores_it_after_a_restart(qwen05_p
             assert again.prefix_dir.saved == []
     finally:
         model.close()
+
+
+def test_cli_compress_defaults_to_the_calibration_splits_choice(tmp_path, cli):
+    """Without --method, compress runs DEFAULT_PREFIX_METHOD (the query-agnostic PASK variant chosen on
+    the calibration split) at 0.33, and the file says so."""
+    from pask_local.methods.registry import DEFAULT_PREFIX_METHOD, QUERY_AGNOSTIC
+
+    assert DEFAULT_PREFIX_METHOD in QUERY_AGNOSTIC
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    out = tmp_path / "d.pkv"
+    done = cli("compress", "--model", "gemma3-270m", "--tools", str(tools), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["method"] == DEFAULT_PREFIX_METHOD and report["budget"] == 0.33
+    assert report["held_entries"] <= 0.34 * report["full_entries"]

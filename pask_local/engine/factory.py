@@ -24,6 +24,14 @@ def default_run_method(method: str | None, policy: object | None) -> str:
     return registry.POLICY_FILE_METHOD if policy is not None else DEFAULT_METHOD
 
 
+def default_prefix_method(method: str | None, policy: object | None) -> str:
+    """``compress``'s method: ``--method`` as given, else ``pask`` when a policy file is given, else
+    ``DEFAULT_PREFIX_METHOD``."""
+    if method is not None:
+        return method
+    return registry.POLICY_FILE_METHOD if policy is not None else registry.DEFAULT_PREFIX_METHOD
+
+
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,
                 warn: Callable[[str], None] | None = None) -> Method:
     """The registered method ``name`` (``methods.registry``) on ``model``; ``policy`` (the PASK

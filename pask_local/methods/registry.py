@@ -193,9 +193,14 @@ QUERY_AGNOSTIC: tuple[str, ...] = tuple(e.name for e in ENTRIES if not e.query_a
 # method study (docs/results.md: pask-prior 51.3 / 39.1 % at 0.33 / 0.2; streaming 49.7 / 38.7, the
 # calibrated pask 46.9 / 33.5). pask-hybrid scores higher but prefills the whole prompt first.
 DEFAULT_METHOD = "pask-prior"
+# what `pask-local compress` runs when no --method is given: the query-agnostic PASK variant chosen on
+# the calibration split of the 8k catalog workload (docs/results.md "Compress once": floors-only 9,
+# pask-zip 8, pask-prior 6 correct of 20 over 0.33 and 0.2, by a rule fixed before the runs)
+DEFAULT_PREFIX_METHOD = "floors-only"
 # what runs a policy file given without --method
 POLICY_FILE_METHOD = "pask"
 assert DEFAULT_METHOD in REGISTRY and POLICY_FILE_METHOD in POLICY_METHODS
+assert DEFAULT_PREFIX_METHOD in QUERY_AGNOSTIC
 PASK.name = POLICY_FILE_METHOD  # a PASK built directly (tests, calibration) reports as plain pask
 
 

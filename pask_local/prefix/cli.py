@@ -33,7 +33,7 @@ def compress_command(
                                              show_default=False)] = None,
     model: ModelOption = None,
     method: Annotated[str | None, typer.Option("--method", help="A query-agnostic method (`pask-local methods`); "
-                                               "default: the default method.", show_default=False)] = None,
+                                               "default: floors-only (pask with --policy).", show_default=False)] = None,
     budget: Annotated[float, typer.Option("--budget", help="Fraction of the prefix's K/V entries kept.")] = 0.33,
     policy: Annotated[Path | None, typer.Option("--policy", help="Persistence policy JSON (the pask methods).",
                                                 show_default=False)] = None,
@@ -54,14 +54,14 @@ def compress_command(
     Example: pask-local compress --tools catalog.json --out catalog.pkv
     """
     from ..engine.core import Engine, EngineConfig
-    from ..engine.factory import default_run_method, make_method
+    from ..engine.factory import default_prefix_method, make_method
     from ..llm import Model
     from ..models import resolve_model
     from ..run_cli import PROMPT_STYLES
     from ..schema.tools import read_tools
     from .build import check_query_agnostic, compress, head_of, save
 
-    method = default_run_method(method, policy)
+    method = default_prefix_method(method, policy)
     check_query_agnostic(method)
     if not 0.0 < budget <= 1.0:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
