@@ -348,3 +348,44 @@ def test_exact_reuse_takes_no_compressed_prefix(model):
     assert pool.stats()["reused_prompt_tokens"] == 0
     np.testing.assert_array_equal(logs[0][0][0], logs[2][0][0])
     assert logs[0][1] == logs[2][1]
+
+
+def test_a_scoring_pass_runs_beside_the_decoding_slots(model, monkeypatch):
+    """A request whose method declares a scoring pass (knorm) has it run off the loop's thread: while
+    the pass runs, the request already decoding goes on producing tokens; the scored request is then
+    admitted and answers within its budget. (With the pass on the loop's thread, the decoding request
+    could not move until the pass returned: the pass below would wait for it in vain.)"""
+    import threading
+    import time
+
+    from pask_local.engine import prescore
+
+    real = prescore.SCORERS["key-norm"]
+    a_tokens: list[int] = []
+    moved: list[int] = []
+
+    def watched(m, method, prefix, cfg):
+        out = real(m, method, prefix, cfg)
+        n0, deadline = len(a_tokens), time.monotonic() + 30
+        while len(a_tokens) < n0 + 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        moved.append(len(a_tokens) - n0)
+        return out
+
+    monkeypatch.setitem(prescore.SCORERS, "key-norm", watched)
+    lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 1024, slots=2)
+    pool = SlotPool(model, lay, prefix_cache=False)
+    try:
+        first = threading.Event()
+        a = engine(model, "pask-prior", 0.33, max_tokens=200)
+        fa = pool.submit(a, a.prepare(user_message("Tell me a long story about a cat and a dog."), []),
+                         on_token=lambda t: a_tokens.append(t) or first.set() or False)
+        assert first.wait(120)
+        b = engine(model, "knorm", 0.33)
+        rb = pool.submit(b, b.prepare(user_message(ask("Rome")), WEATHER, "required")).result(timeout=300)
+        ra = fa.result(timeout=300)
+    finally:
+        pool.close()
+    assert moved and moved[0] >= 3, moved  # the decoding request moved while the pass ran
+    assert ra.ok and len(ra.tokens) > moved[0]
+    assert rb.ok and rb.calls and rb.stats["max_over_budget_entries"] == 0

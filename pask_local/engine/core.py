@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..chat.decoder import Decoder
 from ..chat.protocol import Plan, plan
 from ..errors import ContextLengthError, PaskError
@@ -146,15 +148,18 @@ class Engine:
         finally:
             run.close()
 
-    def new_run(self, prepared: Prepared, trace: str | Path | None = None, slot: SlotSpec | None = None) -> Run:
-        """A run of ``prepared`` (its K/V allocated, or placed in ``slot``), not yet begun."""
-        return Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), slot, prepared.sampling)
+    def new_run(self, prepared: Prepared, trace: str | Path | None = None, slot: SlotSpec | None = None,
+                scores: tuple[list[np.ndarray], float] | None = None) -> Run:
+        """A run of ``prepared`` (its K/V allocated, or placed in ``slot``), not yet begun; ``scores``: its
+        method's scoring pass, already run (``run.scoring_end``), and its seconds."""
+        return Run(self, prepared.plan.prompt, prepared.n_ctx, TraceWriter(trace), slot, prepared.sampling, scores)
 
     def start_in_slot(self, prepared: Prepared, slot: SlotSpec, on_token: TokenHook | None = None,
-                      trace: str | Path | None = None) -> Run:
+                      trace: str | Path | None = None, scores: tuple[list[np.ndarray], float] | None = None
+                      ) -> Run:
         """Begin a prepared request in a slot of a shared context; its owner (``engine.pool``,
         ``engine.shared``) decodes its chunks and tokens through the ``RunSteps`` protocol."""
-        run = self.new_run(prepared, trace, slot)
+        run = self.new_run(prepared, trace, slot, scores)
         try:
             run.begin(prepared.plan, prepared.request, on_token)
         except BaseException:

@@ -18,6 +18,12 @@ whose ``cancelled`` turns true (a client that went away: checked every step, pre
 whose token hook asks to stop frees its slot at the next step. A failed decode fails the requests
 in that batch and clears their sequences; the pool goes on serving. ``close`` fails what waits and
 what runs.
+
+A request whose method declares a scoring pass (``engine.prescore``: kvzip, knorm, ...) and whose
+slot would not start from a stream that already holds the scored part (a pinned prefix file, a held
+stream) has the pass run on the pool's scoring thread, one pass at a time; it waits in the queue,
+keeping its place, while the loop goes on stepping the running requests, and is admitted once its
+scores are ready.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +49,9 @@ from ..model_info import swa_layers
 from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, prefills_whole
 from .kv_stream import context_config, flash_attn_for, layer_cells, round_up
 from .prefix_cache import REUSE_MODES, Pinned, PrefixCache, Source, Start, common_prefix
+from .prescore import prompt_scores
 from .request_queue import PoolClosed, QueueFull, RequestCancelled, RequestQueue
+from .run import scoring_end
 from .step_plan import SlotState, StepPlan, plan_step
 
 __all__ = ["REUSE_MODES", "Pinned", "PoolClosed", "PoolLayout", "QueueFull", "RequestCancelled", "SlotPool", "common_prefix",
@@ -91,6 +99,12 @@ class _Request:
     next_chunk: int = 0
     token: int | None = None   # the token to decode next (decoding phase)
     order: int = 0             # admission order
+    scoring: Future[tuple[list[np.ndarray], float]] | None = None  # its scoring pass and its seconds
+
+    @property
+    def blocked(self) -> bool:
+        """It waits for its scoring pass (nothing to admit until it ends)."""
+        return self.scoring is not None and not self.scoring.done()
 
     @property
     def prefilling(self) -> bool:
@@ -170,6 +184,8 @@ class SlotPool:
         self.step_s = 0.0                   # time in llama_decode
         self.host_s = 0.0                   # time in the runs between decodes (sampling, tagging, eviction)
         self._thread = threading.Thread(target=self._loop, name="pask-pool", daemon=True)
+        # scoring passes (one at a time: each is a prefill of its own, competing with the pool for the CPU)
+        self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pask-score")
         if start:
             self.start()
 
@@ -275,6 +291,7 @@ class SlotPool:
         """Stop the step loop (requests still running or waiting fail) and free the context."""
         for req in self.queue.close():
             req.future.set_exception(PoolClosed("the server is shutting down"))
+        self._scorer.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():
             self._thread.join(timeout)
         else:  # never started: nothing runs
@@ -299,7 +316,8 @@ class SlotPool:
         q = self.queue
         while True:
             with q.cond:
-                while not q.closed and not q.waiting and not self._active:
+                # idle until a request can be admitted (one waiting for its scoring pass cannot)
+                while not q.closed and not self._active and all(r.blocked for r in q.waiting):
                     q.cond.wait()
                 if q.closed:
                     break
@@ -326,6 +344,19 @@ class SlotPool:
             if start is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
+            end = scoring_end(method, req.prepared.plan.prompt)
+            scores = None
+            if end is not None and start.reuse < end:  # its scoring pass: on the scoring thread
+                if req.scoring is None:
+                    req.scoring = self._scorer.submit(self._score, req, end)
+                if not req.scoring.done():
+                    deferred.append(req)
+                    continue
+                try:
+                    scores = req.scoring.result()
+                except BaseException as exc:
+                    req.future.set_exception(exc)
+                    continue
             self._claim(start)
             spec = SlotSpec(self.ctx, start.seq, self.layout.capacities, self.slot_bytes, self.flash_attn,
                             start.reuse, self.layout.kv_type, compact=True, probe=self.probe,
@@ -334,7 +365,7 @@ class SlotPool:
             try:
                 if start.pinned is not None:
                     start.pinned.restore(self.ctx, start.seq)
-                req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token, trace=req.trace)
+                req.run = req.engine.start_in_slot(req.prepared, spec, req.on_token, trace=req.trace, scores=scores)
             except BaseException as exc:
                 self.ctx.seq_rm(start.seq, -1, -1)
                 self._free.append(start.seq)
@@ -348,6 +379,18 @@ class SlotPool:
             self._active.append(req)
             q.running = len(self._active)
         q.put_back(deferred)
+
+    def _score(self, req: _Request, end: int) -> tuple[list[np.ndarray], float]:
+        """``req``'s scoring pass and its seconds (on the scoring thread); the loop is woken when it ends."""
+        try:
+            if req.cancelled():
+                raise RequestCancelled("the request was cancelled before it started")
+            e, t0 = req.engine, time.perf_counter()
+            scores = prompt_scores(e.model, e.method, list(req.prepared.plan.prompt.tokens), end, e.cfg)
+            return scores, time.perf_counter() - t0
+        finally:
+            with self.queue.cond:
+                self.queue.cond.notify_all()
 
     def _claim(self, start: Start) -> None:
         """Take ``start.seq`` from the free streams and the cache; keep only the prefix it reuses."""

@@ -99,11 +99,22 @@ class RunSteps(Protocol):
         """Free what the run holds (its own context; never a driver's shared one)."""
 
 
+def scoring_end(method: Method, prompt: Prompt) -> int | None:
+    """Where the part of ``prompt`` that ``method``'s scoring pass reads ends (``engine.prescore``);
+    None: the method declares no pass."""
+    if not method.prompt_scorer:
+        return None
+    return method.obs_end(np.asarray([int(c) for c in class_indices(prompt.classes)]))  # type: ignore[attr-defined]
+
+
 class Run:
     """The state of one request (``RunSteps``): per-layer capacities, the prompt plan, chosen tokens."""
 
     def __init__(self, engine: EngineParts, prompt: Prompt, n_ctx: int, trace: TraceWriter,
-                 slot: SlotSpec | None = None, sampling: Sampling = GREEDY) -> None:
+                 slot: SlotSpec | None = None, sampling: Sampling = GREEDY,
+                 scores: tuple[list[np.ndarray], float] | None = None) -> None:
+        """``scores``: the method's scoring pass, already run (``scoring_end``; the pool runs it off its
+        thread), with its seconds; None: run here when the method declares one."""
         self.e = engine
         self._score_s = 0.0  # seconds of a scoring pass (``_prompt_scores``)
         self.sampling = sampling
@@ -119,7 +130,7 @@ class Run:
         self.all_classes = [int(c) for c in class_indices(prompt.classes)]
         # this request's rules (capacities, quotas, priorities): the method object itself is shared
         self.mplan = self.method.bind(cfg.budget, np.asarray(self.all_classes), n_layer, pieces,
-                                      **self._prompt_scores(slot))
+                                      **self._prompt_scores(slot, scores))
         self.mode = self.method.prefill_mode
         caps = list(self.mplan.capacities)
         if self.method.scales_swa_capacity:
@@ -163,13 +174,12 @@ class Run:
                                             self.all_classes, max_len, rule, self.needs_attn,
                                             self.scores_each_decode, self.stat)
 
-    def _prompt_scores(self, slot: SlotSpec | None) -> dict:
+    def _prompt_scores(self, slot: SlotSpec | None, given: tuple[list[np.ndarray], float] | None) -> dict:
         """``bind``'s scores for a method that declares a scoring pass (``engine.prescore``): run on
         the part before the user's turn unless the stream already holds it (a restored prefix)."""
-        if not self.method.prompt_scorer:
+        end = scoring_end(self.method, self.prompt)
+        if end is None:
             return {}
-        classes = np.asarray(self.all_classes)
-        end = self.method.obs_end(classes)  # type: ignore[attr-defined]
         if slot is not None and slot.reuse >= end:
             # the stream holds that part already (a restored or reused, compressed prefix): what it
             # kept ranks first; nothing evicted from it comes back
@@ -178,8 +188,11 @@ class Run:
                 pos = np.asarray(slot.ctx.positions(il, slot.seq_id), dtype=np.int64)  # type: ignore[attr-defined]
                 layer[pos[pos < self.n_prompt]] = 1.0
             return {"scores": held, "pooled": False}
+        if given is not None:
+            self._score_s = given[1]
+            return {"scores": given[0]}
         t0 = time.perf_counter()
-        scores = prompt_scores(self.model, self.method, list(self.prompt.tokens), end, self.cfg)  # type: ignore[arg-type]
+        scores = prompt_scores(self.model, self.method, list(self.prompt.tokens), end, self.cfg)
         self._score_s = time.perf_counter() - t0
         return {"scores": scores}
 
