@@ -297,12 +297,18 @@ def _tool_from_function(fn: dict[str, Any], where: str, budget: _Budget | None =
         raise SchemaError(f"'parameters' of tool '{name}' must have type 'object' (or BFCL 'dict')")
     norm.setdefault("properties", {})
     norm.setdefault("required", [])
-    try:  # what jsonschema will validate calls against must itself be valid (e.g. "maximum": "x")
-        jsonschema.Draft202012Validator.check_schema(norm)
-    except jsonschema.SchemaError as exc:
-        raise SchemaError(f"'parameters' of tool '{name}' are not a valid JSON Schema at "
-                          f"{_printable(exc.json_path, 120)}: {_printable(exc.message, 120)}") from None
     return ToolSpec(name=name, description=desc, parameters=norm, source=fn)
+
+
+def _check_parameters(spec: ToolSpec) -> None:
+    """What jsonschema will validate calls against must itself be valid (e.g. "maximum": "x"). Run
+    after every tool is normalised: the meta-schema check is the slow part, so a list over the size
+    limits is refused before any of it runs."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(spec.parameters)
+    except jsonschema.SchemaError as exc:
+        raise SchemaError(f"'parameters' of tool '{spec.name}' are not a valid JSON Schema at "
+                          f"{_printable(exc.json_path, 120)}: {_printable(exc.message, 120)}") from None
 
 
 def _tool_from_item(item: Any, where: str, budget: _Budget | None = None) -> ToolSpec:
@@ -339,6 +345,8 @@ def load_tools(data: Any) -> list[ToolSpec]:
     budget = _Budget()
     specs = [_tool_from_item(item, f"$[{i}]" if isinstance(data, list) else "$", budget)
              for i, item in enumerate(items)]
+    for spec in specs:
+        _check_parameters(spec)
     seen: set[str] = set()
     for s in specs:
         if s.name in seen:
