@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from ..errors import NativeError, PaskError
 from ..kv_layered import LayeredContext, kv_total_bytes
 from ..llm import Context, Model
 from ..methods import Method
+from ..methods.pask import class_indices
 from ..model_info import swa_layers
 from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, prefills_whole
 from .kv_stream import context_config, flash_attn_for, layer_cells, round_up
@@ -100,6 +102,12 @@ class _Request:
     token: int | None = None   # the token to decode next (decoding phase)
     order: int = 0             # admission order
     scoring: Future[tuple[list[np.ndarray], float]] | None = None  # its scoring pass and its seconds
+
+    @cached_property
+    def score_end(self) -> int | None:
+        """Where the part its method's scoring pass reads ends (None: no pass); asked at every
+        admission attempt, computed once."""
+        return scoring_end(self.engine.method, class_indices(self.prepared.plan.prompt.classes))
 
     @property
     def blocked(self) -> bool:
@@ -344,7 +352,7 @@ class SlotPool:
             if start is None:  # a running request is still prefilling the prefix it shares: wait for it
                 deferred.append(req)
                 continue
-            end = scoring_end(method, req.prepared.plan.prompt)
+            end = req.score_end
             scores = None
             if end is not None and start.reuse < end:  # its scoring pass: on the scoring thread
                 if req.scoring is None:

@@ -99,12 +99,12 @@ class RunSteps(Protocol):
         """Free what the run holds (its own context; never a driver's shared one)."""
 
 
-def scoring_end(method: Method, prompt: Prompt) -> int | None:
-    """Where the part of ``prompt`` that ``method``'s scoring pass reads ends (``engine.prescore``);
-    None: the method declares no pass."""
+def scoring_end(method: Method, classes: np.ndarray) -> int | None:
+    """Where the part of a prompt (its class indices) that ``method``'s scoring pass reads ends
+    (``engine.prescore``); None: the method declares no pass."""
     if not method.prompt_scorer:
         return None
-    return method.obs_end(np.asarray([int(c) for c in class_indices(prompt.classes)]))  # type: ignore[attr-defined]
+    return method.obs_end(classes)  # type: ignore[attr-defined]
 
 
 class Run:
@@ -177,7 +177,7 @@ class Run:
     def _prompt_scores(self, slot: SlotSpec | None, given: tuple[list[np.ndarray], float] | None) -> dict:
         """``bind``'s scores for a method that declares a scoring pass (``engine.prescore``): run on
         the part before the user's turn unless the stream already holds it (a restored prefix)."""
-        end = scoring_end(self.method, self.prompt)
+        end = scoring_end(self.method, np.asarray(self.all_classes))
         if end is None:
             return {}
         if slot is not None and slot.reuse >= end:
