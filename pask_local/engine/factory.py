@@ -17,19 +17,12 @@ from ..methods.registry import (  # noqa: F401  (re-exported: callers import the
 from ..policy import Policy
 
 
-def default_run_method(method: str | None, policy: object | None) -> str:
-    """``--method`` as given, else ``pask`` when a policy file is given, else ``DEFAULT_METHOD``."""
+def default_run_method(method: str | None, policy: object | None, default: str = DEFAULT_METHOD) -> str:
+    """``--method`` as given, else ``pask`` when a policy file is given, else ``default``
+    (``compress`` passes ``DEFAULT_PREFIX_METHOD``)."""
     if method is not None:
         return method
-    return registry.POLICY_FILE_METHOD if policy is not None else DEFAULT_METHOD
-
-
-def default_prefix_method(method: str | None, policy: object | None) -> str:
-    """``compress``'s method: ``--method`` as given, else ``pask`` when a policy file is given, else
-    ``DEFAULT_PREFIX_METHOD``."""
-    if method is not None:
-        return method
-    return registry.POLICY_FILE_METHOD if policy is not None else registry.DEFAULT_PREFIX_METHOD
+    return registry.POLICY_FILE_METHOD if policy is not None else default
 
 
 def make_method(name: str, model: Model, policy: str | Path | Policy | None = None,

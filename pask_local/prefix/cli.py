@@ -54,14 +54,15 @@ def compress_command(
     Example: pask-local compress --tools catalog.json --out catalog.pkv
     """
     from ..engine.core import Engine, EngineConfig
-    from ..engine.factory import default_prefix_method, make_method
+    from ..engine.factory import default_run_method, make_method
     from ..llm import Model
+    from ..methods.registry import DEFAULT_PREFIX_METHOD
     from ..models import resolve_model
     from ..run_cli import PROMPT_STYLES
     from ..schema.tools import read_tools
     from .build import check_query_agnostic, compress, head_of, save
 
-    method = default_prefix_method(method, policy)
+    method = default_run_method(method, policy, DEFAULT_PREFIX_METHOD)
     check_query_agnostic(method)
     if not 0.0 < budget <= 1.0:
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
