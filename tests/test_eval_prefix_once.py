@@ -49,6 +49,33 @@ def test_once_refuses_a_query_aware_method(tmp_path, cli):
 
 
 @pytest.mark.slow
+def test_whole_prefill_is_pinned_and_a_policy_reaches_once_pask(tmp_path, cli):
+    """``--whole-prefill`` is pinned in run.json (resuming without it is refused in one line), and
+    ``--policy`` reaches ``once:pask``: with the hand-written prior as its file it compresses and
+    answers exactly as ``once:pask-prior`` does."""
+    from pask_local.policy.handwritten import handwritten_policy
+
+    prior = tmp_path / "prior.json"
+    handwritten_policy(18).save(prior)
+    out = tmp_path / "ev"
+    args = ["eval", "--model", "gemma3-270m", "--categories", "simple_python", "--limit", "2", "--budgets", "0.33",
+            "--catalog-tokens", "700", "--max-tokens", "16", "--out", str(out)]
+    r = cli(*args, "--methods", "once:pask,once:pask-prior", "--policy", str(prior), "--whole-prefill",
+            env={"PASK_THREADS": "2"})
+    assert r.returncode == 0, r.stderr
+    recs = _records(out)
+
+    def runs(method):
+        return [(x["id"], x["output"], x["stats"]["prefix_held_share"]) for x in recs if x["method"] == method]
+
+    assert len(runs("once:pask")) == 2 and runs("once:pask") == runs("once:pask-prior")
+    assert json.loads((out / "run.json").read_text())["whole_prefill"] is True
+    again = cli(*args, "--methods", "once:pask", "--policy", str(prior))
+    assert again.returncode == 1 and "different settings (whole_prefill)" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+@pytest.mark.slow
 def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
     """SnapKV on a catalog group: the catalog is prefilled once, held whole, and every case reads its
     own question on a copy of it, then compresses as a run of its own does: the same peak (the whole

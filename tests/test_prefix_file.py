@@ -320,6 +320,32 @@ def _run(model, path, method, budget, question=QUESTION, tools=None):
     return header, run_from_prefix(engine, prepared, pinned), engine, prepared
 
 
+def test_whole_prefill_keeps_the_plans_positions_with_a_full_prefills_keys(qwen05_model):
+    """``whole``: a planned method (floors-only) keeps the positions it keeps when it drops between
+    chunks, but their keys are those of a prefill that dropped nothing (the method at budget 1.0, the
+    oracle); dropped between chunks, the deepest layer's keys after the first chunk differ from it."""
+    from pask_local.kv_rows import key_rows
+    from pask_local.prefix.build import compress
+
+    tools = _tools()
+    ref = compress(_engine(qwen05_model, "floors-only", 1.0), tools, [])
+    reading = compress(_engine(qwen05_model, "floors-only"), tools, [])
+    whole = compress(_engine(qwen05_model, "floors-only"), tools, [], whole=True)
+    assert whole.header.kept == reading.header.kept and whole.held <= 0.34 * whole.full < ref.held
+    assert (whole.header.extra["prefill"], reading.header.extra["prefill"]) == ("whole", "reading")
+    last = qwen05_model.n_layer - 1
+
+    def keys(c) -> dict[int, np.ndarray]:
+        pos, rows = key_rows(c.state[1:])[last]
+        return {int(p): r for p, r in zip(pos, rows, strict=True) if p >= 64}  # past the first chunk
+
+    want, got, dropped = keys(ref), keys(whole), keys(reading)
+    assert len(got) > 20 and got.keys() == dropped.keys()
+    err_whole = max(float(np.abs(got[p] - want[p]).max()) for p in got)
+    err_reading = max(float(np.abs(dropped[p] - want[p]).max()) for p in got)
+    assert err_whole <= 0.01 * err_reading, (err_whole, err_reading)
+
+
 @pytest.mark.slow
 def test_compressed_prefix_is_restored_and_answers(qwen05_model, prefix_file):
     from pask_local.engine.factory import DEFAULT_METHOD
@@ -518,3 +544,8 @@ def test_cli_compress_defaults_to_the_calibration_splits_choice(tmp_path, cli):
     report = json.loads(done.stdout)
     assert report["method"] == DEFAULT_PREFIX_METHOD and report["budget"] == 0.33
     assert report["held_entries"] <= 0.34 * report["full_entries"]
+    assert report["prefill"] == "reading"  # a planned method drops between chunks unless told otherwise
+    done = cli("compress", "--model", "gemma3-270m", "--tools", str(tools), "--out", str(out), "--whole-prefill")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["prefill"] == "whole" and report["held_entries"] <= 0.34 * report["full_entries"]

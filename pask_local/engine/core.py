@@ -60,7 +60,7 @@ from .trace import TraceWriter
 from .types import EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook
 
 __all__ = ["KV_TYPES", "Engine", "EngineConfig", "EngineResult", "Prepared", "Run", "RunSteps", "SlotSpec",
-           "TokenHook", "kv_type_id", "prefills_whole", "round_up"]
+           "TokenHook", "holds_whole_prompt", "kv_type_id", "prefills_whole", "round_up"]
 
 
 class Engine:
@@ -172,4 +172,11 @@ def prefills_whole(method: Method) -> bool:
     """Whether ``method`` holds the whole prompt before it compresses it (SnapKV-like): in a pool slot
     the prompt must fit the slot's cells, and the window statistic comes from the pool's probe."""
     return method.prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
+
+
+def holds_whole_prompt(method: Method, cfg: EngineConfig) -> bool:
+    """Whether a run of ``method`` under ``cfg`` holds the whole prompt at the end of its prefill: a
+    compress-after-prefill method, or a planned one whose plan is applied after it
+    (``EngineConfig.plan_after_prefill``)."""
+    return prefills_whole(method) or (cfg.plan_after_prefill and method.prefill_mode == PrefillMode.PLANNED)
 

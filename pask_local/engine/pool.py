@@ -48,7 +48,16 @@ from ..llm import Context, Model
 from ..methods import Method
 from ..methods.pask import class_indices
 from ..model_info import swa_layers
-from .core import Engine, EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook, prefills_whole
+from .core import (
+    Engine,
+    EngineConfig,
+    EngineResult,
+    Prepared,
+    SlotSpec,
+    TokenHook,
+    holds_whole_prompt,
+    prefills_whole,
+)
 from .kv_stream import context_config, flash_attn_for, layer_cells, round_up
 from .prefix_cache import REUSE_MODES, Pinned, PrefixCache, Source, Start, common_prefix
 from .prescore import prompt_scores
@@ -260,7 +269,7 @@ class SlotPool:
             raise PaskError(f"this pool's KV cache is {lay.kv_type}, the request's {engine.cfg.kv_type}")
         if not method.keeps_all and engine.cfg.budget > lay.budget + 1e-9:
             raise PaskError(f"budget {engine.cfg.budget} is above this pool's {lay.budget}")
-        if prefills_whole(method):
+        if holds_whole_prompt(method, engine.cfg):
             if prepared.n_prompt > self.whole_prompt_room:
                 raise PaskError(f"method '{method.name}' prefills the whole prompt before it compresses: a slot "
                                 f"of this pool holds {self.whole_prompt_room} prompt tokens at once, the prompt has "

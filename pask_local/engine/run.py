@@ -148,6 +148,8 @@ class Run:
         self.caps = caps
         self.full = self.mode == PrefillMode.NONE
         self.whole = self.mode == PrefillMode.WHOLE_THEN_COMPRESS  # prefilled whole, compressed once
+        # a planned method under cfg.plan_after_prefill: prefilled whole, then its plan applied once
+        self.plan_after = cfg.plan_after_prefill and self.mode == PrefillMode.PLANNED
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.whole
@@ -156,7 +158,7 @@ class Run:
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it needs a slot with an attention probe")
         self.slot = slot
-        self.stream = KVStream(self.model, cfg, n_ctx, slot, full=self.full, whole=self.whole,
+        self.stream = KVStream(self.model, cfg, n_ctx, slot, full=self.full, whole=self.whole or self.plan_after,
                                needs_attn=self.needs_attn, probe_stats=(WINDOW,) if self.whole else (self.stat,),
                                prompt_caps=caps, n_prompt=n_prompt, swa=swa, window=window)
         # layer groups for reporting: the method's (PASK: its policy's groups)
@@ -246,7 +248,7 @@ class Run:
         if self.evictor is None:
             return
         self.evictor.drop_window(n - 1, -1)
-        if self.whole:
+        if self.whole or self.plan_after:
             return
         for il in range(self.n_layer):
             if self.planned is not None and self.planned[il] is not None:
@@ -293,6 +295,8 @@ class Run:
             ev.collect(self.stat)
         # what left a sliding window first: the budget chooses among what the window still holds
         ev.drop_window(b - 1, -1)
+        if self.plan_after:
+            return
         if self.planned is not None:
             arrived = np.arange(a, b)
             for il in range(self.n_layer):
@@ -310,10 +314,15 @@ class Run:
                 ev.collect(WINDOW)
             for il in range(self.n_layer):
                 ev.evict_to(il, self.caps[il], -1, "score")
+        if self.plan_after and ev is not None:
+            self.clock.peak_prefill = self.stream.held_counts(self.n_seq)
+            for il in range(self.n_layer):
+                self._evict_unplanned(ev, il, self.stream.held(il))
         # the kept cells lie scattered over the cells the prefill wrote (the whole prompt's, or a pool
         # slot's, sized for its longest request): gathered at the bottom, decoding attends n_kv ~ what
         # is held. A slot says whether its cells are its own to move (a shared prefill's are not).
-        if ev is not None and self.cfg.compact and (self.slot.compact if self.slot is not None else self.whole):
+        if ev is not None and self.cfg.compact and (self.slot.compact if self.slot is not None
+                                                    else self.whole or self.plan_after):
             ev.compact()
         self.clock.after_prefill = self.stream.held_counts(self.n_seq)
         self.clock.t1 = time.perf_counter()

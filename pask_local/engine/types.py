@@ -34,6 +34,9 @@ class EngineConfig:
     kv_type: str = "f16"          # K and V cache element type: f16 | q8_0 | q4_0 (quantized: flash attention on)
     graph_stats: bool = True      # attention statistics computed in the decode graph (False: the eval-callback
                                   # probe, the reference: a host copy of every softmax, flash attention off)
+    plan_after_prefill: bool = False  # a method that plans the prompt (PrefillMode.PLANNED) prefills it whole and
+                                  # then drops what its plan does not keep: the kept entries' K/V are those a full
+                                  # prefill computes (compress once, where the prefill's memory is paid once)
 
 
 @dataclass

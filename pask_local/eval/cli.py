@@ -28,7 +28,7 @@ from ..cli_options import (
 )
 from ..errors import PaskError
 from .data import CATEGORIES, canonical_category
-from .generator import KNOWN_METHODS
+from .generator import KNOWN_METHODS, ONCE
 from .prompting import check_prompt_style
 from .split import check_split
 
@@ -85,6 +85,9 @@ def eval_command(
                                           "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
     = True,
     kv_type: KvTypeOption = "f16",
+    whole_prefill: Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="once: runs of a "
+                                                "method that plans the prefix prefill it whole and then drop what "
+                                                "the plan does not keep (as `compress --whole-prefill`).")] = False,
     share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="Runs whose method "
                                                 "prefills the whole prompt before compressing (snapkv, "
                                                 "pyramidkv, pask-attn, any budget) share one prefill per case "
@@ -149,7 +152,7 @@ def eval_command(
         from ..policy.schema import Policy
 
         Policy.load(policy)  # a one-line error for a missing file or one that is not a policy
-        if not any(m in POLICY_METHODS for m in method_list):
+        if not any(m.removeprefix(ONCE) in POLICY_METHODS for m in method_list):
             raise PaskError(f"--policy applies to {', '.join(POLICY_METHODS)}; none of them is in --methods")
     cfg = EvalConfig(gguf=resolve_model(gguf, model), out=out, methods=method_list, budgets=budget_list,
                      categories=cats, limit=limit, split=split, dataset=dataset, answers=answers,
@@ -157,7 +160,7 @@ def eval_command(
                      prompt_style=prompt_style, fidelity=fidelity, fidelity_refs=fidelity_refs, hysteresis=hysteresis,
                      compact=compact, kv_type=kv_type, share_prefill=share_prefill, policy=policy,
                      catalog_tokens=catalog_tokens, catalog_group=catalog_group, catalog_seed=catalog_seed,
-                     placement=placement)
+                     placement=placement, whole_prefill=whole_prefill)
     store, cases, runs = run_eval(cfg, Console(stderr=True))
     summary = write_reports(store, cases, runs)
     typer.echo(markdown(summary))

@@ -72,6 +72,7 @@ class GeneratorSpec:
     policy: Path | None = None     # a policy file for the methods that take one (engine POLICY_METHODS)
     shared_catalog: bool = False   # whole-prompt methods prefill each catalog prefix once (eval.prefix_once)
     placement: Any = None          # rpc.Placement of the model's layers (--rpc, --ngl); None: PASK_NGL
+    whole_prefill: bool = False    # a prefix compressed once by a planned method is prefilled whole first
 
     def method(self, name: str, model: Any) -> Any:
         """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""

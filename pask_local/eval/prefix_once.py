@@ -100,7 +100,7 @@ class PrefixOnceGenerator(_FromPrefixes):
     def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         from ..prefix.build import compress, pin
 
-        c = compress(self.engine, tools, head, examples=examples, parallel=parallel)
+        c = compress(self.engine, tools, head, examples=examples, parallel=parallel, whole=self.spec.whole_prefill)
         budget = None if self.base == "full" else self.budget
         pinned = pin("eval-prefix", c.header, c.state, self.model, self.base, budget, self.spec.kv_type)
         h = c.header

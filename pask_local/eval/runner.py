@@ -72,6 +72,7 @@ class EvalConfig:
     catalog_group: int = DEFAULT_GROUP_SIZE  # cases per catalog group
     catalog_seed: int = 0              # the distractor draw's seed (each group's is derived from it)
     placement: Any = None              # rpc.Placement of every generator's model (--rpc, --ngl); None: PASK_NGL
+    whole_prefill: bool = False        # once: runs of a planned method prefill the prefix whole (prefix.build)
 
     @property
     def ref_dir(self) -> Path:
@@ -147,6 +148,8 @@ def manifest(cfg: EvalConfig) -> dict[str, Any]:
         "n_ctx": cfg.n_ctx if cfg.n_ctx is not None else "auto", "bfcl_eval": bfcl_version, "prompt_style": cfg.prompt_style,
         "hysteresis": cfg.hysteresis, "compact": cfg.compact, "kv_type": cfg.kv_type,
         "share_prefill": cfg.share_prefill,
+        # None (absent in older run.json files) is what they ran: a prefix's plan applied between chunks
+        "whole_prefill": True if cfg.whole_prefill else None,
         "examples": [e.id for e in pick_examples()] if cfg.use_examples else [],
         "policy": _policy_id(cfg.policy),
         "catalog": ({"tokens": cfg.catalog_tokens, "group": cfg.catalog_group, "seed": cfg.catalog_seed}
@@ -203,7 +206,7 @@ def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int) -> GeneratorSpec:
     return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
                          kv_type=cfg.kv_type, policy=cfg.policy, shared_catalog=cfg.catalog_tokens is not None,
-                         placement=cfg.placement)
+                         placement=cfg.placement, whole_prefill=cfg.whole_prefill)
 
 
 def _share_across_methods(cfg: EvalConfig, cases: list[Case], pending: dict) -> bool:

@@ -18,7 +18,7 @@ from ..errors import PaskError
 CASES_FILE = "cases.jsonl"
 RUN_FILE = "run.json"
 # settings added after run.json files were written: missing in an old one means None (the default)
-LATER_KEYS = ("policy", "catalog")
+LATER_KEYS = ("policy", "catalog", "whole_prefill")
 # per-case notes (``note_cases``): merged across resumed runs, never compared as settings
 NOTE_KEYS = ("catalog_cases",)
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.core import Engine, Prepared, prefills_whole
+from ..engine.core import Engine, Prepared, holds_whole_prompt
 from ..engine.pool import Pinned, SlotPool
 from ..errors import PaskError
 from ..grammar.sampling import GREEDY
 from ..llm import Context, Model
+from ..methods import PrefillMode
 from ..methods.registry import REGISTRY
 from ..models import file_sha256
 from ..schema.tools import ToolSpec
@@ -98,16 +99,18 @@ class Compressed:
 
 
 def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: Examples = None,
-                   parallel: bool = False) -> tuple[Prompt, bytes, list[list[int]], float, str]:
+                   parallel: bool = False, whole: bool = False) -> tuple[Prompt, bytes, list[list[int]], float, str]:
     """The prefix alone, prefilled (and compressed) by ``engine``'s method at its budget in a one-slot
-    pool: (the prefix, its saved state, the positions kept per layer, seconds, the state's kind)."""
+    pool: (the prefix, its saved state, the positions kept per layer, seconds, the state's kind).
+    ``whole``: a planned method prefills the prefix whole and then drops what its plan does not keep
+    (``EngineConfig.plan_after_prefill``), instead of dropping it between chunks."""
     method, model, cfg = engine.method, engine.model, engine.cfg
     prefix = find_prefix(engine, tools, head, examples, parallel)
     n = len(prefix.tokens)
     base = engine.prepare(_with_user(head, _USER_TEXTS[0]), tools, "auto", parallel=parallel, examples=examples)
     prepared = Prepared(dataclasses.replace(base.plan, prompt=prefix), "", n + 1, GREEDY)
-    solo = Engine(model, method, dataclasses.replace(cfg, max_tokens=0))
-    pool = SlotPool(model, SlotPool.layout_for(model, method, cfg.budget, _slot_len(engine, n + 1, n + 1), slots=1,
+    solo = Engine(model, method, dataclasses.replace(cfg, max_tokens=0, plan_after_prefill=whole))
+    pool = SlotPool(model, SlotPool.layout_for(model, method, cfg.budget, _slot_len(solo, n + 1, n + 1), slots=1,
                                                kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
         t0 = time.perf_counter()
@@ -122,11 +125,13 @@ def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: 
 
 
 def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: str | None = None,
-             extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False) -> Compressed:
-    """Prefill the prefix alone and compress it with ``engine``'s (query-agnostic) method at its budget."""
+             extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False,
+             whole: bool = False) -> Compressed:
+    """Prefill the prefix alone and compress it with ``engine``'s (query-agnostic) method at its budget
+    (``whole``: as ``prefill_prefix``)."""
     method, model, cfg = engine.method, engine.model, engine.cfg
     check_query_agnostic(method.name)
-    prefix, blob, kept, seconds, kind = prefill_prefix(engine, tools, head, examples, parallel)
+    prefix, blob, kept, seconds, kind = prefill_prefix(engine, tools, head, examples, parallel, whole)
     n = len(prefix.tokens)
     header = PrefixHeader(
         model_sha256=file_sha256(Path(model.path)), model_name=Path(model.path).name, n_layer=model.n_layer,
@@ -134,7 +139,8 @@ def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: s
         tools_sha256=tools_digest(tools), system_sha256=head_digest(head), method=method.name,
         budget=None if method.keeps_all else cfg.budget, policy_sha256=policy_sha256, kv_type=cfg.kv_type,
         tokens=list(prefix.tokens), classes=[c.value for c in prefix.classes], kept=kept,
-        state_kind=kind, extra=extra or {})
+        state_kind=kind, extra={**(extra or {}), **({"prefill": "whole" if whole else "reading"}
+                                                    if method.prefill_mode == PrefillMode.PLANNED else {})})
     return Compressed(header, blob, seconds, header.held(), n * model.n_layer)
 
 
@@ -224,7 +230,7 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
 def _slot_len(engine: Engine, n_prompt: int, n_seq: int) -> int:
     """A one-slot pool's length for ``n_seq`` positions (a whole-prompt method's slot holds the whole
     prompt before it compresses)."""
-    if prefills_whole(engine.method):
+    if holds_whole_prompt(engine.method, engine.cfg):
         return max(n_seq, math.ceil((n_prompt + 1) / engine.cfg.budget))
     return n_seq
 

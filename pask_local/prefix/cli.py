@@ -17,6 +17,7 @@ from ..cli_options import (
     RpcOption,
     RpcTimeoutOption,
     TensorSplitOption,
+    WholePrefillOption,
     check_device_options,
     make_placement,
 )
@@ -44,6 +45,7 @@ def compress_command(
     ngl: NglOption = 0,
     flash_attn: FlashAttnOption = False,
     kv_type: KvTypeOption = "f16",
+    whole_prefill: WholePrefillOption = False,
     rpc: RpcOption = None,
     tensor_split: TensorSplitOption = None,
     rpc_timeout: RpcTimeoutOption = 60.0,
@@ -85,11 +87,12 @@ def compress_command(
     typer.echo(f"compressing the prefix ({len(specs)} tools) with {method}"
                + ("" if method == "full" else f" at budget {budget}") + " ...", err=True)
     c = compress(engine, specs, head_of(sys_text), policy_sha, extra={"tools": [t.name for t in specs]},
-                 parallel=parallel)
+                 parallel=parallel, whole=whole_prefill)
     size = save(out, c)
     report = {"out": str(out), "bytes": size, "prefix_tokens": c.header.n_prefix, "method": c.header.method,
               "budget": c.header.budget, "held_entries": c.held, "full_entries": c.full,
-              "held_share": round(c.held / c.full, 4), "prefill_s": round(c.prefill_s, 2)}
+              "held_share": round(c.held / c.full, 4), "prefill_s": round(c.prefill_s, 2),
+              **({"prefill": c.header.extra["prefill"]} if "prefill" in c.header.extra else {})}
     typer.echo(json.dumps(report))
 
 
