@@ -40,8 +40,8 @@ def _table(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_merged_study_keeps_common_cases_and_pairs_with_the_best_baseline(tmp_path):
     manifest, records = load_dirs(list(_table(tmp_path)))
-    # settings later versions added (policy, catalog) read as None where an older run.json lacks them
-    assert manifest == {"policy": None, "catalog": None, **{k: v for k, v in MANIFEST.items() if k != "share_prefill"}}
+    # settings later versions added (policy, catalog, whole_prefill) read as None where an older run.json lacks them
+    assert manifest == {"policy": None, "catalog": None, "whole_prefill": None, **{k: v for k, v in MANIFEST.items() if k != "share_prefill"}}
     st = build_study(records)
     assert st["n_cases"] == 5 and st["cases_left_out"] == 1
     assert st["cases_per_category"] == {"multiple": 2, "simple": 3}
