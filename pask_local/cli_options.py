@@ -37,6 +37,12 @@ TensorSplitOption = Annotated[str | None, typer.Option("--tensor-split", help="W
 RpcTimeoutOption = Annotated[float, typer.Option("--rpc-timeout", help="With --rpc: seconds a server may take to "
                                                  "answer (handshake, each call) before the run ends with an "
                                                  "error.")]
+WholePrefillOption = Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="Compressing a prefix "
+                                                  "with a method that plans it (floors-only, pask-prior, kvzip, "
+                                                  "knorm, ...): prefill it whole, then drop what the plan does not "
+                                                  "keep, so the kept entries' K/V are a full prefill's (memory: the "
+                                                  "whole prefix, once); --no-whole-prefill drops them between "
+                                                  "chunks, as `run` does.")]
 
 
 def make_placement(rpc: str | None, tensor_split: str | None, ngl: int, timeout_s: float) -> Placement | None:
@@ -77,9 +83,3 @@ def check_generation_options(method: str, budget: float, max_tokens: int) -> Non
         raise PaskError(f"--budget must be in (0, 1], got {budget}")
     if max_tokens < 1:
         raise PaskError(f"--max-tokens must be >= 1, got {max_tokens}")
-WholePrefillOption = Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="Compressing a prefix "
-                                                  "with a method that plans it (floors-only, pask-prior, kvzip, "
-                                                  "knorm, ...): prefill it whole, then drop what the plan does not "
-                                                  "keep, so the kept entries' K/V are a full prefill's (memory: the "
-                                                  "whole prefix, once); --no-whole-prefill drops them between "
-                                                  "chunks, as `run` does.")]

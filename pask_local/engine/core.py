@@ -55,7 +55,7 @@ from ..methods import Method, PrefillMode
 from ..model_info import swa_layers
 from ..schema.tools import as_tools
 from .kv_stream import KV_TYPES, kv_type_id, round_up
-from .run import Run, RunSteps, run_alone
+from .run import Run, RunSteps, plans_after_prefill, run_alone
 from .trace import TraceWriter
 from .types import EngineConfig, EngineResult, Prepared, SlotSpec, TokenHook
 
@@ -178,5 +178,5 @@ def holds_whole_prompt(method: Method, cfg: EngineConfig) -> bool:
     """Whether a run of ``method`` under ``cfg`` holds the whole prompt at the end of its prefill: a
     compress-after-prefill method, or a planned one whose plan is applied after it
     (``EngineConfig.plan_after_prefill``)."""
-    return prefills_whole(method) or (cfg.plan_after_prefill and method.prefill_mode == PrefillMode.PLANNED)
+    return prefills_whole(method) or plans_after_prefill(method, cfg)
 

@@ -107,6 +107,12 @@ def scoring_end(method: Method, classes: np.ndarray) -> int | None:
     return method.obs_end(classes)  # type: ignore[attr-defined]
 
 
+def plans_after_prefill(method: Method, cfg: EngineConfig) -> bool:
+    """Whether a planned method's plan is applied once after a whole prefill (``EngineConfig.plan_after_prefill``)
+    rather than between chunks."""
+    return cfg.plan_after_prefill and method.prefill_mode == PrefillMode.PLANNED
+
+
 class Run:
     """The state of one request (``RunSteps``): per-layer capacities, the prompt plan, chosen tokens."""
 
@@ -148,8 +154,8 @@ class Run:
         self.caps = caps
         self.full = self.mode == PrefillMode.NONE
         self.whole = self.mode == PrefillMode.WHOLE_THEN_COMPRESS  # prefilled whole, compressed once
-        # a planned method under cfg.plan_after_prefill: prefilled whole, then its plan applied once
-        self.plan_after = cfg.plan_after_prefill and self.mode == PrefillMode.PLANNED
+        self.plan_after = plans_after_prefill(self.method, cfg)  # prefilled whole, then its plan applied once
+        self.holds_whole = self.whole or self.plan_after  # the stream holds the whole prompt until end_prefill
         self.needs_attn = self.method.needs_attention and not self.full
         # an incremental attention method (H2O, TOVA) adds the probe's statistic after every decode
         self.scores_each_decode = self.needs_attn and not self.whole
@@ -158,7 +164,7 @@ class Run:
             raise PaskError(f"method '{self.method.name}' reads attention scores or compresses after a whole "
                             f"prefill: it needs a slot with an attention probe")
         self.slot = slot
-        self.stream = KVStream(self.model, cfg, n_ctx, slot, full=self.full, whole=self.whole or self.plan_after,
+        self.stream = KVStream(self.model, cfg, n_ctx, slot, full=self.full, whole=self.holds_whole,
                                needs_attn=self.needs_attn, probe_stats=(WINDOW,) if self.whole else (self.stat,),
                                prompt_caps=caps, n_prompt=n_prompt, swa=swa, window=window)
         # layer groups for reporting: the method's (PASK: its policy's groups)
@@ -248,7 +254,7 @@ class Run:
         if self.evictor is None:
             return
         self.evictor.drop_window(n - 1, -1)
-        if self.whole or self.plan_after:
+        if self.holds_whole:
             return
         for il in range(self.n_layer):
             if self.planned is not None and self.planned[il] is not None:
@@ -308,21 +314,19 @@ class Run:
     def end_prefill(self) -> None:
         """The whole prompt is in: compress once (compress-after-prefill methods), start decoding."""
         ev = self.evictor
-        if self.whole and ev is not None:
+        if self.holds_whole and ev is not None:
             self.clock.peak_prefill = self.stream.held_counts(self.n_seq)
-            if self.needs_attn:
+            if self.whole and self.needs_attn:
                 ev.collect(WINDOW)
             for il in range(self.n_layer):
-                ev.evict_to(il, self.caps[il], -1, "score")
-        if self.plan_after and ev is not None:
-            self.clock.peak_prefill = self.stream.held_counts(self.n_seq)
-            for il in range(self.n_layer):
-                self._evict_unplanned(ev, il, self.stream.held(il))
+                if self.plan_after:
+                    self._evict_unplanned(ev, il, self.stream.held(il))
+                else:
+                    ev.evict_to(il, self.caps[il], -1, "score")
         # the kept cells lie scattered over the cells the prefill wrote (the whole prompt's, or a pool
         # slot's, sized for its longest request): gathered at the bottom, decoding attends n_kv ~ what
         # is held. A slot says whether its cells are its own to move (a shared prefill's are not).
-        if ev is not None and self.cfg.compact and (self.slot.compact if self.slot is not None
-                                                    else self.whole or self.plan_after):
+        if ev is not None and self.cfg.compact and (self.slot.compact if self.slot is not None else self.holds_whole):
             ev.compact()
         self.clock.after_prefill = self.stream.held_counts(self.n_seq)
         self.clock.t1 = time.perf_counter()

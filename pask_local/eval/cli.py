@@ -23,6 +23,7 @@ from ..cli_options import (
     RpcOption,
     RpcTimeoutOption,
     TensorSplitOption,
+    WholePrefillOption,
     check_device_options,
     make_placement,
 )
@@ -85,9 +86,7 @@ def eval_command(
                                           "PyramidKV, pask-attn), gather the kept cells at the lowest indices.")]
     = True,
     kv_type: KvTypeOption = "f16",
-    whole_prefill: Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="once: runs of a "
-                                                "method that plans the prefix prefill it whole and then drop what "
-                                                "the plan does not keep (as `compress --whole-prefill`).")] = False,
+    whole_prefill: WholePrefillOption = False,
     share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="Runs whose method "
                                                 "prefills the whole prompt before compressing (snapkv, "
                                                 "pyramidkv, pask-attn, any budget) share one prefill per case "
