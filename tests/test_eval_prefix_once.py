@@ -8,6 +8,7 @@ cannot be compressed once: one line, exit 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -52,7 +53,7 @@ def test_once_refuses_a_query_aware_method(tmp_path, cli):
 def test_whole_prefill_is_pinned_and_a_policy_reaches_once_pask(tmp_path, cli):
     """``--whole-prefill`` is pinned in run.json (resuming without it is refused in one line), and
     ``--policy`` reaches ``once:pask``: with the hand-written prior as its file it compresses and
-    answers exactly as ``once:pask-prior`` does."""
+    answers exactly as ``once:pask-prior`` does, from the one whole prefill of the catalog they share."""
     from pask_local.policy.handwritten import handwritten_policy
 
     prior = tmp_path / "prior.json"
@@ -69,6 +70,10 @@ def test_whole_prefill_is_pinned_and_a_policy_reaches_once_pask(tmp_path, cli):
         return [(x["id"], x["output"], x["stats"]["prefix_held_share"]) for x in recs if x["method"] == method]
 
     assert len(runs("once:pask")) == 2 and runs("once:pask") == runs("once:pask-prior")
+    # one catalog group: its whole prefill is paid by the first run and restored by the second
+    paid = {(x["method"], x["stats"]["whole_prefill_shared"], x["stats"]["whole_prefill_s"] > 0) for x in recs
+            if x["stats"]["prefix_compress_s"] > 0}
+    assert paid == {("once:pask", False, True), ("once:pask-prior", True, False)}
     assert json.loads((out / "run.json").read_text())["whole_prefill"] is True
     again = cli(*args, "--methods", "once:pask", "--policy", str(prior))
     assert again.returncode == 1 and "different settings (whole_prefill)" in again.stderr
@@ -87,6 +92,7 @@ def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
     from pask_local.eval.prompting import prefix_counter
     from pask_local.eval.split import split_of
     from pask_local.llm import Model
+    from pask_local.prefix.whole import WholePrefills
 
     pool = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
     model = Model(qwen05_path)
@@ -94,15 +100,24 @@ def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
         cases = apply_catalogs(pool[:2], pool, 900, prefix_counter(model, "native", False))
     finally:
         model.close()
+    held = WholePrefills()
     spec = GeneratorSpec(qwen05_path, 0.33, max_tokens=32, use_examples=False, prompt_style="native",
-                         shared_catalog=True)
-    shared, alone = SharedCatalogGenerator("snapkv", spec), EngineGenerator("snapkv", spec)
+                         shared_catalog=True, whole_prefills=held)
+    at_02 = dataclasses.replace(spec, budget=0.2)
+    gens = [SharedCatalogGenerator("snapkv", spec), EngineGenerator("snapkv", spec),
+            SharedCatalogGenerator("snapkv", at_02), SharedCatalogGenerator("snapkv", dataclasses.replace(at_02, whole_prefills=None))]
     try:
-        outs = [shared.generate(c) for c in cases]
-        ref = alone.generate(cases[1])
+        outs = [gens[0].generate(c) for c in cases]
+        ref = gens[1].generate(cases[1])
+        # another budget's run restores the same whole prefill, and answers as with a prefill of its own
+        again, own = gens[2].generate(cases[1]), gens[3].generate(cases[1])
     finally:
-        shared.close()
-        alone.close()
+        for g in gens:
+            g.close()
+    assert held.prefills == 1 and again.extra["prefix_prefill_shared"] and again.extra["prefix_prefill_s"] == 0
+    assert own.extra["prefix_prefill_s"] > 0 and "prefix_prefill_shared" not in own.extra
+    assert again.text == own.text and again.error is None
+    assert again.extra["budget_used_after_prefill"] <= 0.2 + 0.01
     n = outs[0].extra["prefix_tokens"]
     assert n > 700 and outs[0].n_reused == outs[1].n_reused == n
     assert outs[0].extra["prefix_prefill_s"] > 0 and outs[1].extra["prefix_prefill_s"] == 0  # once per group

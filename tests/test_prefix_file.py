@@ -346,6 +346,42 @@ def test_whole_prefill_keeps_the_plans_positions_with_a_full_prefills_keys(qwen0
     assert err_whole <= 0.01 * err_reading, (err_whole, err_reading)
 
 
+def test_a_shared_whole_prefill_compresses_as_a_prefill_of_its_own(qwen05_model):
+    """``prefix.whole``: one whole prefill (paid once, by a budget-1.0 holder) serves two planned
+    methods at two budgets. Each restores it (the restore runs), decodes only the last token, then drops what its plan
+    does not keep: the same positions as a whole prefill of its own, the same keys (bit-equal before
+    the last token, which a one-token batch decodes)."""
+    from pask_local.kv_rows import key_rows
+    from pask_local.prefix.build import compress
+    from pask_local.prefix.whole import WholePrefills
+
+    tools = _tools()
+    held = WholePrefills()
+    whole, paid = held.get(_engine(qwen05_model, "floors-only", 1.0), tools, [])
+    again, paid_again = held.get(_engine(qwen05_model, "pask-prior", 1.0), tools, [])
+    assert (paid, paid_again, held.prefills) == (True, False, 1) and again is whole
+    # a whole-prompt method reads the prompt in other chunks (its last one holds its observation
+    # window): its whole prefill differs in the last bits, so it is not served to a planned method
+    assert held.get(_engine(qwen05_model, "snapkv", 1.0), tools, [])[1] and held.prefills == 2
+    n, last = len(whole.tokens), qwen05_model.n_layer - 1
+    for method, budget in (("floors-only", 0.33), ("pask-prior", 0.2)):
+        pinned, restored = whole.pinned(method, budget, drop_last=True), []
+
+        def restore(ctx, seq, pinned=pinned, restored=restored):
+            restored.append(seq)
+            pinned.restore(ctx, seq)
+
+        shared = compress(_engine(qwen05_model, method, budget), tools, [], whole=True,
+                          start=dataclasses.replace(pinned, restore=restore))
+        own = compress(_engine(qwen05_model, method, budget), tools, [], whole=True)
+        assert restored == [0] and shared.header.kept == own.header.kept and shared.held <= (budget + 0.01) * own.full
+        (pos_s, rows_s), (pos_o, rows_o) = key_rows(shared.state[1:])[last], key_rows(own.state[1:])[last]
+        assert list(pos_s) == list(pos_o)
+        before = np.asarray(pos_s) < n - 1
+        assert np.array_equal(rows_s[before], rows_o[before])
+        assert float(np.abs(rows_s - rows_o).max()) < 0.05
+
+
 @pytest.mark.slow
 def test_compressed_prefix_is_restored_and_answers(qwen05_model, prefix_file):
     from pask_local.engine.factory import DEFAULT_METHOD

@@ -90,7 +90,9 @@ def eval_command(
     share_prefill: Annotated[bool, typer.Option("--share-prefill/--no-share-prefill", help="Runs whose method "
                                                 "prefills the whole prompt before compressing (snapkv, "
                                                 "pyramidkv, pask-attn, any budget) share one prefill per case "
-                                                "and decode together.")] = True,
+                                                "and decode together; with --catalog-tokens, every run that "
+                                                "starts from a group's prefix prefilled whole (those, and once: "
+                                                "runs with --whole-prefill) shares one prefill of it.")] = True,
     policy: Annotated[Path | None, typer.Option("--policy", help="A policy file (pask-local calibrate) for pask, "
                                                 "pask-attn, pask-hybrid and pask-tools; the other methods run "
                                                 "as always. Default: the model's own policy.")] = None,

@@ -73,6 +73,8 @@ class GeneratorSpec:
     shared_catalog: bool = False   # whole-prompt methods prefill each catalog prefix once (eval.prefix_once)
     placement: Any = None          # rpc.Placement of the model's layers (--rpc, --ngl); None: PASK_NGL
     whole_prefill: bool = False    # a prefix compressed once by a planned method is prefilled whole first
+    # whole prefills of catalog prefixes shared by the eval's runs (prefix.whole.WholePrefills); None: not shared
+    whole_prefills: Any = field(default=None, compare=False)
 
     def method(self, name: str, model: Any) -> Any:
         """The Method ``name`` on ``model``, with this spec's policy file where the method takes one."""

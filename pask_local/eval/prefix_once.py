@@ -19,6 +19,7 @@ as ``EngineGenerator`` runs them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -92,6 +93,12 @@ class PrefixOnceGenerator(_FromPrefixes):
         self.model = Model(spec.gguf, placement=spec.placement)
         self.engine = Engine(self.model, spec.method(base, self.model), spec.engine_config(spec.budget or 1.0))
         self._prefixes = {}
+        m = self.engine.method
+        # a planned method without a scoring pass, prefilling whole, drops from a whole prefill that
+        # every such run of this eval shares (``prefix.whole``); the holder makes it (budget 1.0)
+        self.holder = (Engine(self.model, m, dataclasses.replace(self.engine.cfg, budget=1.0))
+                       if spec.whole_prefill and spec.whole_prefills is not None and m.plans_prompt
+                       and not m.prompt_scorer else None)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens,
@@ -100,11 +107,18 @@ class PrefixOnceGenerator(_FromPrefixes):
     def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         from ..prefix.build import compress, pin
 
-        c = compress(self.engine, tools, head, examples=examples, parallel=parallel, whole=self.spec.whole_prefill)
+        start, shared = None, {}
+        if self.holder is not None:
+            whole, paid = self.spec.whole_prefills.get(self.holder, tools, head, examples, parallel)
+            start = whole.pinned(self.engine.method.name, self.engine.cfg.budget, drop_last=True)
+            shared = {"whole_prefill_s": round(whole.seconds, 3) if paid else 0.0, "whole_prefill_shared": not paid}
+        c = compress(self.engine, tools, head, examples=examples, parallel=parallel, whole=self.spec.whole_prefill,
+                     start=start)
         budget = None if self.base == "full" else self.budget
         pinned = pin("eval-prefix", c.header, c.state, self.model, self.base, budget, self.spec.kv_type)
         h = c.header
-        return h.tokens, pinned, c.prefill_s, {"prefix_held_share": round(h.held() / (h.n_prefix * h.n_layer), 4)}
+        return h.tokens, pinned, c.prefill_s, {"prefix_held_share": round(h.held() / (h.n_prefix * h.n_layer), 4),
+                                               **shared}
 
     def generate(self, case: Case) -> GenerationOutput:
         return self._from_prefix(case)
@@ -119,8 +133,6 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
     seconds_key = "prefix_prefill_s"
 
     def __init__(self, method: str, spec: GeneratorSpec) -> None:
-        import dataclasses
-
         from ..engine import Engine
 
         super().__init__(method, spec)
@@ -133,6 +145,10 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
         from ..prefix import state as kv_state
         from ..prefix.build import prefill_prefix
 
+        if self.spec.whole_prefills is not None:  # shared with this eval's other runs (``prefix.whole``)
+            whole, paid = self.spec.whole_prefills.get(self.holder, tools, head, examples, parallel)
+            return (list(whole.tokens), whole.pinned(self.engine.method.name, self.budget),
+                    whole.seconds if paid else 0.0, {"prefix_prefill_shared": not paid})
         prefix, blob, _, seconds, _ = prefill_prefix(self.holder, tools, head, examples, parallel)
         pinned = Pinned(tuple(prefix.tokens), self.engine.method.name, self.budget,
                         lambda ctx, seq: kv_state.restore(ctx, seq, blob))

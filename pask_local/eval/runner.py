@@ -9,7 +9,8 @@ count, the running accuracy and the ETA.
 Before generating, the cases are measured with the model's tokenizer: with ``catalog_tokens`` each
 case gets its group's tool catalog (``eval.catalog``); then Full KV's context is sized from the
 longest case, and a case too long for the model's trained context is skipped for every method
-(``eval.sizing``), so no method is scored on a case another could not run.
+(``eval.sizing``), so no method is scored on a case another could not run. On a catalog workload a
+group's prefix prefilled whole is kept for every run that starts from it (``prefix.whole``).
 """
 
 from __future__ import annotations
@@ -202,11 +203,11 @@ def _done(store: ResultStore, case: Case, run: tuple[str, float | None], fidelit
 GeneratorFactory = Callable[[str, GeneratorSpec], Generator]
 
 
-def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int) -> GeneratorSpec:
+def _spec(cfg: EvalConfig, budget: float | None, n_ctx: int, whole_prefills: Any = None) -> GeneratorSpec:
     return GeneratorSpec(cfg.gguf, budget, cfg.max_tokens, n_ctx, use_examples=cfg.use_examples,
                          prompt_style=cfg.prompt_style, hysteresis=cfg.hysteresis, compact=cfg.compact,
                          kv_type=cfg.kv_type, policy=cfg.policy, shared_catalog=cfg.catalog_tokens is not None,
-                         placement=cfg.placement, whole_prefill=cfg.whole_prefill)
+                         placement=cfg.placement, whole_prefill=cfg.whole_prefill, whole_prefills=whole_prefills)
 
 
 def _share_across_methods(cfg: EvalConfig, cases: list[Case], pending: dict) -> bool:
@@ -317,10 +318,14 @@ def run_eval(cfg: EvalConfig, console: Console | None = None,
         task = progress.add_task("eval", total=total)
         if cfg.share_prefill and meter is None and _share_across_methods(cfg, cases, pending):
             _run_shared(cfg, cases, pending, store, progress, task, n_ctx)
+        # a catalog group's prefix prefilled whole, once for every run that starts from it (prefix.whole)
+        from ..prefix.whole import WholePrefills
+
+        whole_prefills = WholePrefills() if cfg.catalog_tokens is not None and cfg.share_prefill else None
         for (method, budget), todo in pending.items():
             if not todo:
                 continue
-            gen = factory(method, _spec(cfg, budget, n_ctx))
+            gen = factory(method, _spec(cfg, budget, n_ctx, whole_prefills))
             label = method if budget is None else f"{method}@{budget:g}"
             n_ok = n = 0
             try:

@@ -99,11 +99,14 @@ class Compressed:
 
 
 def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: Examples = None,
-                   parallel: bool = False, whole: bool = False) -> tuple[Prompt, bytes, list[list[int]], float, str]:
+                   parallel: bool = False, whole: bool = False,
+                   start: Pinned | None = None) -> tuple[Prompt, bytes, list[list[int]], float, str]:
     """The prefix alone, prefilled (and compressed) by ``engine``'s method at its budget in a one-slot
     pool: (the prefix, its saved state, the positions kept per layer, seconds, the state's kind).
     ``whole``: a planned method prefills the prefix whole and then drops what its plan does not keep
-    (``EngineConfig.plan_after_prefill``), instead of dropping it between chunks."""
+    (``EngineConfig.plan_after_prefill``), instead of dropping it between chunks. ``start``: the
+    prefix already prefilled whole (``prefix.whole``, for ``engine``'s method and budget), restored
+    first, so that only what it lacks is decoded."""
     method, model, cfg = engine.method, engine.model, engine.cfg
     prefix = find_prefix(engine, tools, head, examples, parallel)
     n = len(prefix.tokens)
@@ -114,6 +117,8 @@ def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: 
                                                kv_type=cfg.kv_type), flash_attn=cfg.flash_attn)
     try:
         t0 = time.perf_counter()
+        if start is not None:
+            pool.pin(start)
         pool.execute(solo, prepared)
         seconds = time.perf_counter() - t0
         if pool.cache.held(0) is None:
@@ -126,12 +131,12 @@ def prefill_prefix(engine: Engine, tools: list[ToolSpec], head: Head, examples: 
 
 def compress(engine: Engine, tools: list[ToolSpec], head: Head, policy_sha256: str | None = None,
              extra: dict[str, Any] | None = None, examples: Examples = None, parallel: bool = False,
-             whole: bool = False) -> Compressed:
+             whole: bool = False, start: Pinned | None = None) -> Compressed:
     """Prefill the prefix alone and compress it with ``engine``'s (query-agnostic) method at its budget
-    (``whole``: as ``prefill_prefix``)."""
+    (``whole``, ``start``: as ``prefill_prefix``)."""
     method, model, cfg = engine.method, engine.model, engine.cfg
     check_query_agnostic(method.name)
-    prefix, blob, kept, seconds, kind = prefill_prefix(engine, tools, head, examples, parallel, whole)
+    prefix, blob, kept, seconds, kind = prefill_prefix(engine, tools, head, examples, parallel, whole, start)
     n = len(prefix.tokens)
     header = PrefixHeader(
         model_sha256=file_sha256(Path(model.path)), model_name=Path(model.path).name, n_layer=model.n_layer,
