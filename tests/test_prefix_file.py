@@ -347,8 +347,9 @@ def test_whole_prefill_keeps_the_plans_positions_with_a_full_prefills_keys(qwen0
 
 
 def test_a_shared_whole_prefill_compresses_as_a_prefill_of_its_own(qwen05_model):
-    """``prefix.whole``: one whole prefill (paid once, by a budget-1.0 holder) serves two planned
-    methods at two budgets. Each restores it (the restore runs), decodes only the last token, then drops what its plan
+    """``prefix.whole``: one whole prefill (paid once, by a budget-1.0 holder) serves planned methods
+    at two budgets, one with a scoring pass (its scores, not the restored prefix's presence, rank).
+    Each restores it (the restore runs), decodes only the last token, then drops what its plan
     does not keep: the same positions as a whole prefill of its own, the same keys (bit-equal before
     the last token, which a one-token batch decodes)."""
     from pask_local.kv_rows import key_rows
@@ -364,7 +365,7 @@ def test_a_shared_whole_prefill_compresses_as_a_prefill_of_its_own(qwen05_model)
     # window): its whole prefill differs in the last bits, so it is not served to a planned method
     assert held.get(_engine(qwen05_model, "snapkv", 1.0), tools, [])[1] and held.prefills == 2
     n, last = len(whole.tokens), qwen05_model.n_layer - 1
-    for method, budget in (("floors-only", 0.33), ("pask-prior", 0.2)):
+    for method, budget in (("floors-only", 0.33), ("pask-prior", 0.2), ("knorm", 0.33)):  # knorm: a scoring pass
         pinned, restored = whole.pinned(method, budget, drop_last=True), []
 
         def restore(ctx, seq, pinned=pinned, restored=restored):

@@ -94,11 +94,11 @@ class PrefixOnceGenerator(_FromPrefixes):
         self.engine = Engine(self.model, spec.method(base, self.model), spec.engine_config(spec.budget or 1.0))
         self._prefixes = {}
         m = self.engine.method
-        # a planned method without a scoring pass, prefilling whole, drops from a whole prefill that
-        # every such run of this eval shares (``prefix.whole``); the holder makes it (budget 1.0)
+        # a planned method prefilling whole drops from a whole prefill that every such run of this eval
+        # shares (``prefix.whole``); the holder makes it (budget 1.0). A scoring pass still runs (memoized):
+        # the prompt compressed is the prefix alone, which the restored part (all but its last token) does not cover
         self.holder = (Engine(self.model, m, dataclasses.replace(self.engine.cfg, budget=1.0))
-                       if spec.whole_prefill and spec.whole_prefills is not None and m.plans_prompt
-                       and not m.prompt_scorer else None)
+                       if spec.whole_prefill and spec.whole_prefills is not None and m.plans_prompt else None)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens,
