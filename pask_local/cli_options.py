@@ -37,12 +37,13 @@ TensorSplitOption = Annotated[str | None, typer.Option("--tensor-split", help="W
 RpcTimeoutOption = Annotated[float, typer.Option("--rpc-timeout", help="With --rpc: seconds a server may take to "
                                                  "answer (handshake, each call) before the run ends with an "
                                                  "error.")]
-WholePrefillOption = Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="Compressing a prefix "
-                                                  "with a method that plans it (floors-only, pask-prior, kvzip, "
-                                                  "knorm, ...): prefill it whole, then drop what the plan does not "
-                                                  "keep, so the kept entries' K/V are a full prefill's (memory: the "
-                                                  "whole prefix, once); --no-whole-prefill drops them between "
-                                                  "chunks, as `run` does.")]
+WholePrefillOption = Annotated[bool, typer.Option("--whole-prefill/--no-whole-prefill", help="A method that plans "
+                                                  "the prompt (floors-only, pask-prior, kvzip, knorm, ...) prefills "
+                                                  "it whole (a prefix it compresses; in `eval`, also each prompt "
+                                                  "it runs per query), then drops what the plan does not keep, so "
+                                                  "the kept entries' K/V are a full prefill's (memory: the whole "
+                                                  "prompt); --no-whole-prefill drops them between chunks, as `run` "
+                                                  "does.")]
 
 
 def make_placement(rpc: str | None, tensor_split: str | None, ngl: int, timeout_s: float) -> Placement | None:

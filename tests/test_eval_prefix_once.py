@@ -80,26 +80,33 @@ def test_whole_prefill_is_pinned_and_a_policy_reaches_once_pask(tmp_path, cli):
     assert "Traceback" not in again.stderr
 
 
+def _catalog_cases(gguf):
+    """Two eval-split simple_python cases behind one ~900-token catalog (native prompt, no examples),
+    and the model's layer count."""
+    from pask_local.eval.catalog import apply_catalogs
+    from pask_local.eval.data import load_bundled
+    from pask_local.eval.prompting import prefix_counter
+    from pask_local.eval.split import split_of
+    from pask_local.llm import Model
+
+    pool = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
+    model = Model(gguf)
+    try:
+        return apply_catalogs(pool[:2], pool, 900, prefix_counter(model, "native", False)), model.n_layer
+    finally:
+        model.close()
+
+
 @pytest.mark.slow
 def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
     """SnapKV on a catalog group: the catalog is prefilled once, held whole, and every case reads its
     own question on a copy of it, then compresses as a run of its own does: the same peak (the whole
     prompt held) and budget as the case run alone from a fresh prefill."""
-    from pask_local.eval.catalog import apply_catalogs
-    from pask_local.eval.data import load_bundled
     from pask_local.eval.generator import EngineGenerator, GeneratorSpec
     from pask_local.eval.prefix_once import SharedCatalogGenerator
-    from pask_local.eval.prompting import prefix_counter
-    from pask_local.eval.split import split_of
-    from pask_local.llm import Model
     from pask_local.prefix.whole import WholePrefills
 
-    pool = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
-    model = Model(qwen05_path)
-    try:
-        cases = apply_catalogs(pool[:2], pool, 900, prefix_counter(model, "native", False))
-    finally:
-        model.close()
+    cases, _ = _catalog_cases(qwen05_path)
     held = WholePrefills()
     spec = GeneratorSpec(qwen05_path, 0.33, max_tokens=32, use_examples=False, prompt_style="native",
                          shared_catalog=True, whole_prefills=held)
@@ -125,3 +132,35 @@ def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
     assert outs[1].extra["peak_prefill_entries"] == ref.extra["peak_prefill_entries"]  # held whole, then compressed
     assert outs[1].extra["budget_used_after_prefill"] <= 0.33 + 0.01
     assert outs[1].error is None and ref.error is None
+
+
+@pytest.mark.slow
+def test_a_planned_method_per_query_reads_each_catalog_once_under_whole_prefill(qwen05_path):
+    """``--whole-prefill``: pask-prior per query on a catalog group restores the group's prefix prefilled
+    whole (once, for both budgets), reads its own question, then drops what its plan, made on the whole
+    prompt, does not keep: the whole prompt is held before the drop, the budget after it. A method with
+    a scoring pass (knorm) reads each prompt itself."""
+    from pask_local.eval.generator import GeneratorSpec, make_generator
+    from pask_local.eval.prefix_once import SharedCatalogGenerator
+    from pask_local.prefix.whole import WholePrefills
+
+    cases, n_layer = _catalog_cases(qwen05_path)
+    held = WholePrefills()
+    spec = GeneratorSpec(qwen05_path, 0.33, max_tokens=32, use_examples=False, prompt_style="native",
+                         shared_catalog=True, whole_prefill=True, whole_prefills=held)
+    gens = [make_generator("pask-prior", spec), make_generator("pask-prior", dataclasses.replace(spec, budget=0.2)),
+            make_generator("knorm", spec)]
+    try:
+        outs = [gens[0].generate(c) for c in cases]
+        at_02, scored = gens[1].generate(cases[1]), gens[2].generate(cases[1])
+    finally:
+        for g in gens:
+            g.close()
+    assert isinstance(gens[0], SharedCatalogGenerator) and held.prefills == 1
+    n = outs[0].extra["prefix_tokens"]
+    assert n > 700 and outs[0].n_reused == outs[1].n_reused == at_02.n_reused == n
+    assert at_02.extra["prefix_prefill_shared"] and at_02.extra["prefix_prefill_s"] == 0
+    for out, budget in ((outs[1], 0.33), (at_02, 0.2)):
+        assert out.error is None and out.extra["peak_prefill_entries"] == out.n_prompt * n_layer
+        assert out.extra["budget_used_after_prefill"] <= budget + 0.01
+    assert scored.error is None and scored.n_reused == 0 and "prefix_tokens" not in scored.extra

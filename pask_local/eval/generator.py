@@ -72,7 +72,7 @@ class GeneratorSpec:
     policy: Path | None = None     # a policy file for the methods that take one (engine POLICY_METHODS)
     shared_catalog: bool = False   # whole-prompt methods prefill each catalog prefix once (eval.prefix_once)
     placement: Any = None          # rpc.Placement of the model's layers (--rpc, --ngl); None: PASK_NGL
-    whole_prefill: bool = False    # a prefix compressed once by a planned method is prefilled whole first
+    whole_prefill: bool = False    # a planned method prefills the prompt (a prefix compressed once) whole first
     # whole prefills of catalog prefixes shared by the eval's runs (prefix.whole.WholePrefills); None: not shared
     whole_prefills: Any = field(default=None, compare=False)
 
@@ -88,7 +88,8 @@ class GeneratorSpec:
         from ..engine import EngineConfig
 
         return EngineConfig(budget=budget, max_tokens=self.max_tokens, style=ENGINE_STYLES[self.prompt_style],
-                            hysteresis=self.hysteresis, compact=self.compact, kv_type=self.kv_type)
+                            hysteresis=self.hysteresis, compact=self.compact, kv_type=self.kv_type,
+                            plan_after_prefill=self.whole_prefill)
 
 
 def check_methods(names: list[str]) -> list[str]:
@@ -107,7 +108,7 @@ def make_generator(method: str, spec: GeneratorSpec) -> Generator:
         return PrefixOnceGenerator(method.removeprefix(ONCE), spec)
     if method == "full":
         return FullKVGenerator(spec)
-    if spec.shared_catalog and _prefills_whole(method):
+    if spec.shared_catalog and (_prefills_whole(method) or _plans_after_whole_prefill(method, spec)):
         from .prefix_once import SharedCatalogGenerator
 
         return SharedCatalogGenerator(method, spec)
@@ -118,6 +119,14 @@ def _prefills_whole(method: str) -> bool:
     from ..methods.registry import REGISTRY, PrefillMode
 
     return REGISTRY[method].prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
+
+
+def _plans_after_whole_prefill(method: str, spec: GeneratorSpec) -> bool:
+    """A planned method under ``--whole-prefill``: it reads the prompt whole and then drops what its plan
+    does not keep, so a catalog's prefix can be prefilled once for it too."""
+    from ..methods.registry import REGISTRY, PrefillMode
+
+    return spec.whole_prefill and REGISTRY[method].prefill_mode == PrefillMode.PLANNED
 
 
 def _failed(error: str, t0: float, n_prompt: int = 0) -> GenerationOutput:

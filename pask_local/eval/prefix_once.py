@@ -9,12 +9,13 @@ the compression's time (``prefix_compress_s``); every case records the prefix le
 prefill (``n_reused``) and what the prefix holds (``prefix_held_share``).
 
 ``SharedCatalogGenerator``: a method that prefills the whole prompt before it compresses (SnapKV,
-PyramidKV, pask-attn, pask-hybrid) on a catalog workload. Its prefill of the group's prefix is the
-same for every case, so it is done once and held whole (the method at budget 1.0 keeps everything);
-each case restores a copy, reads its own question and compresses as a run of its own does, its
-observation window on the question (``Run._adopt_prefix`` holds a reused prefix whole). Only the
-first case of a group pays the catalog's prefill (``prefix_prefill_s``). Cases without a catalog run
-as ``EngineGenerator`` runs them.
+PyramidKV, pask-attn, pask-hybrid; a planned method under ``--whole-prefill``, which then drops what
+its plan does not keep) on a catalog workload. Its prefill of the group's prefix is the same for
+every case, so it is done once and held whole (the method at budget 1.0 keeps everything); each case
+restores a copy, reads its own question and compresses as a run of its own does, its observation
+window or its plan on the whole prompt, question included (``Run._adopt_prefix`` holds a reused
+prefix whole). Only the first case of a group pays the catalog's prefill (``prefix_prefill_s``).
+Cases without a catalog, and a method with a scoring pass, run as ``EngineGenerator`` runs them.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
         # the same method, holding everything: what a prefill of the prefix alone leaves
         self.holder = Engine(self.model, self.engine.method, dataclasses.replace(self.engine.cfg, budget=1.0))
         self._prefixes = {}
+        # a scoring pass reads a restored prefix as already chosen (what it holds ranks first): a
+        # method with one reads each prompt itself
+        self.shares = not self.engine.method.prompt_scorer
 
     def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         from ..engine.pool import Pinned
@@ -155,4 +159,4 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
         return list(prefix.tokens), pinned, seconds, {}
 
     def generate(self, case: Case) -> GenerationOutput:
-        return super().generate(case) if case.tools is None else self._from_prefix(case)
+        return super().generate(case) if case.tools is None or not self.shares else self._from_prefix(case)
