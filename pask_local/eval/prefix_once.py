@@ -92,7 +92,10 @@ class PrefixOnceGenerator(_FromPrefixes):
             raise PaskError(f"method {self.method!r}: {'no' if base == 'full' else 'a'} KV budget expected")
         self.spec = spec
         self.model = Model(spec.gguf, placement=spec.placement)
-        self.engine = Engine(self.model, spec.method(base, self.model), spec.engine_config(spec.budget or 1.0))
+        # --whole-prefill is the prefix's compression (``compress(whole=...)``); a case on the restored
+        # prefix reads its question as ``run --prefix`` does
+        cfg = dataclasses.replace(spec.engine_config(spec.budget or 1.0), plan_after_prefill=False)
+        self.engine = Engine(self.model, spec.method(base, self.model), cfg)
         self._prefixes = {}
         m = self.engine.method
         # a planned method prefilling whole drops from a whole prefill that every such run of this eval
