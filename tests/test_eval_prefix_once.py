@@ -122,7 +122,7 @@ def test_a_whole_prompt_method_prefills_each_catalog_once(qwen05_path):
         for g in gens:
             g.close()
     assert held.prefills == 1 and again.extra["prefix_prefill_shared"] and again.extra["prefix_prefill_s"] == 0
-    assert own.extra["prefix_prefill_s"] > 0 and "prefix_prefill_shared" not in own.extra
+    assert own.extra["prefix_prefill_s"] > 0 and not own.extra["prefix_prefill_shared"]
     assert again.text == own.text and again.error is None
     assert again.extra["budget_used_after_prefill"] <= 0.2 + 0.01
     n = outs[0].extra["prefix_tokens"]

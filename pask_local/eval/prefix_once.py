@@ -98,11 +98,13 @@ class PrefixOnceGenerator(_FromPrefixes):
         self.engine = Engine(self.model, spec.method(base, self.model), cfg)
         self._prefixes = {}
         m = self.engine.method
-        # a planned method prefilling whole drops from a whole prefill that every such run of this eval
-        # shares (``prefix.whole``); the holder makes it (budget 1.0). A scoring pass still runs (memoized):
-        # the prompt compressed is the prefix alone, which the restored part (all but its last token) does not cover
+        # a planned method prefilling whole drops from a whole prefill of the prefix, which the eval's
+        # other such runs share (``prefix.whole``); the holder makes it (budget 1.0). A scoring pass still
+        # runs (memoized): the prompt compressed is the prefix alone, which the restored part (all but its
+        # last token) does not cover
         self.holder = (Engine(self.model, m, dataclasses.replace(self.engine.cfg, budget=1.0))
-                       if spec.whole_prefill and spec.whole_prefills is not None and m.plans_prompt else None)
+                       if spec.whole_prefill and m.plans_prompt else None)
+        self.whole_prefills = _whole_prefills(spec)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "budget": self.budget, "max_tokens": self.spec.max_tokens,
@@ -113,7 +115,7 @@ class PrefixOnceGenerator(_FromPrefixes):
 
         start, shared = None, {}
         if self.holder is not None:
-            whole, paid = self.spec.whole_prefills.get(self.holder, tools, head, examples, parallel)
+            whole, paid = self.whole_prefills.get(self.holder, tools, head, examples, parallel)
             start = whole.pinned(self.engine.method.name, self.engine.cfg.budget, drop_last=True)
             shared = {"whole_prefill_s": round(whole.seconds, 3) if paid else 0.0, "whole_prefill_shared": not paid}
         c = compress(self.engine, tools, head, examples=examples, parallel=parallel, whole=self.spec.whole_prefill,
@@ -143,23 +145,22 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
         # the same method, holding everything: what a prefill of the prefix alone leaves
         self.holder = Engine(self.model, self.engine.method, dataclasses.replace(self.engine.cfg, budget=1.0))
         self._prefixes = {}
+        self.whole_prefills = _whole_prefills(spec)
         # a scoring pass reads a restored prefix as already chosen (what it holds ranks first): a
         # method with one reads each prompt itself
         self.shares = not self.engine.method.prompt_scorer
 
     def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
-        from ..engine.pool import Pinned
-        from ..prefix import state as kv_state
-        from ..prefix.build import prefill_prefix
-
-        if self.spec.whole_prefills is not None:  # shared with this eval's other runs (``prefix.whole``)
-            whole, paid = self.spec.whole_prefills.get(self.holder, tools, head, examples, parallel)
-            return (list(whole.tokens), whole.pinned(self.engine.method.name, self.budget),
-                    whole.seconds if paid else 0.0, {"prefix_prefill_shared": not paid})
-        prefix, blob, _, seconds, _ = prefill_prefix(self.holder, tools, head, examples, parallel)
-        pinned = Pinned(tuple(prefix.tokens), self.engine.method.name, self.budget,
-                        lambda ctx, seq: kv_state.restore(ctx, seq, blob))
-        return list(prefix.tokens), pinned, seconds, {}
+        whole, paid = self.whole_prefills.get(self.holder, tools, head, examples, parallel)
+        return (list(whole.tokens), whole.pinned(self.engine.method.name, self.budget),
+                whole.seconds if paid else 0.0, {"prefix_prefill_shared": not paid})
 
     def generate(self, case: Case) -> GenerationOutput:
         return super().generate(case) if case.tools is None or not self.shares else self._from_prefix(case)
+
+
+def _whole_prefills(spec: GeneratorSpec) -> Any:
+    """The eval's shared whole prefills, or this generator's own (``--no-share-prefill``)."""
+    from ..prefix.whole import WholePrefills
+
+    return spec.whole_prefills if spec.whole_prefills is not None else WholePrefills()
