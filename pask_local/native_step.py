@@ -74,6 +74,7 @@ class _Fns:
         self.free = bind("pask_step_free", None, [p])
         self.set_trace = bind("pask_step_set_trace", None, [p, i32])
         self.set_priority = bind("pask_step_set_priority", i32, [p, ctypes.POINTER(ctypes.c_double), i32])
+        self.set_scores = bind("pask_step_set_scores", i32, [p, i32, ctypes.POINTER(ctypes.c_double), i32])
         self.collect = bind("pask_step_collect", i32, [p, i32])
         self.evict_to = bind("pask_step_evict_to", i32, [p, i32, i32, i32, i32])
         self.drop_window = bind("pask_step_drop_window", i32, [p, i32, i32])
@@ -145,6 +146,13 @@ class NativeStep(NativeHandle):
         pr = np.ascontiguousarray(np.asarray(priority, dtype=np.float64))
         _check(self._f.set_priority(self._ptr, pr.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), len(pr)),
                "pask_step_set_priority")
+
+    def set_scores(self, layer: int, scores: Sequence[float] | np.ndarray) -> None:
+        """Layer ``layer``'s score of each position from 0 (the rest 0), ranked by its ``topk`` rule:
+        a scored method's scores, taken once before the prefill."""
+        s = np.ascontiguousarray(np.asarray(scores, dtype=np.float64))
+        _check(self._f.set_scores(self._ptr, layer, s.ctypes.data_as(ctypes.POINTER(ctypes.c_double)), len(s)),
+               "pask_step_set_scores")
 
     def set_trace(self, on: bool) -> None:
         self._f.set_trace(self._ptr, int(on))

@@ -25,6 +25,7 @@ from pask_local.llm import ContextConfig, Model
 from pask_local.methods import H2O, PASK, TOVA, LayerView, PyramidKV, SnapKV, StreamingLLM
 from pask_local.methods.base import StepRule
 from pask_local.methods.pask import PASKPlan, relevance_priority
+from pask_local.methods.scored import KNorm, KVzipStyle, SnapKVPrefix
 from pask_local.native_step import LayerRule, NativeStep, select
 from pask_local.policy.handwritten import handwritten_policy, hybrid_policy
 from pask_local.schema.tools import read_tools
@@ -76,6 +77,25 @@ def test_native_select_equals_python_baselines(v, name):
     view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], scores=scores,
                      prompt_len=prompt_len, all_classes=all_classes)
     ref, nat = both(method, view, capacity)
+    assert nat.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("name", ["kvzip", "knorm", "snapkv-prefix"])
+@settings(max_examples=150, deadline=None)
+@given(v=views(), seed=st.integers(0, 2**32 - 1), scored=st.booleans(), pooled=st.booleans())
+def test_native_select_equals_python_scored_methods(v, name, seed, scored, pooled):
+    """A scored method's plan (its scoring pass's per-layer scores, set once; sinks and the tail from
+    ``obs_start`` protected; pooled or not) as a native ``topk`` rule keeps what its ``select`` keeps."""
+    all_classes, pos, _, capacity, prompt_len, layer = v
+    method = {"kvzip": KVzipStyle(), "knorm": KNorm(), "snapkv-prefix": SnapKVPrefix()}[name]
+    rng = np.random.default_rng(seed)
+    per_layer = [np.round(rng.random(prompt_len) * 4, int(rng.integers(1, 4))) for _ in range(4)] if scored else None
+    plan = method.bind(0.5, all_classes, 4, scores=per_layer, pooled=pooled)
+    view = LayerView(layer=layer, n_layer=4, positions=pos, classes=all_classes[pos], prompt_len=prompt_len,
+                     all_classes=all_classes)
+    ref = np.sort(plan.select(view, capacity))
+    raw = None if per_layer is None else np.array([per_layer[layer][p] if p < prompt_len else 0.0 for p in pos])
+    nat = select(plan.step_rule(layer, 4, prompt_len), pos, all_classes[pos], raw, all_classes, prompt_len, capacity)
     assert nat.tolist() == ref.tolist()
 
 
@@ -186,7 +206,7 @@ def run(model, method, budget, tmp_path, tag, **cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["pask", "pask-attn", "pask-hybrid", "h2o", "tova", "snapkv", "pyramidkv",
-                                    "streaming"])
+                                    "streaming", "kvzip", "knorm"])
 def test_engine_native_step_equals_python_reference(model, method, tmp_path):
     ref, ref_trace = run(model, method, 0.33, tmp_path, "ref", native_step=False)
     # hysteresis 0 and no compaction: the native step then evicts, and lays out cells, as the reference
@@ -259,6 +279,13 @@ def test_step_refuses_bad_rules_and_positions(model):
         step.collect(0)
     with pytest.raises(NativeError, match="out of range"):
         step.evict_to(model.n_layer, 4, 0, "policy")
+    with pytest.raises(NativeError, match="out of range"):
+        step.set_scores(model.n_layer, [1.0] * 10)
+    with pytest.raises(NativeError, match="position 3 is not finite"):
+        step.set_scores(0, [1.0, 2.0, 3.0, float("nan")])
+    with pytest.raises(NativeError, match="at most max_len"):
+        step.set_scores(0, [1.0] * 66)
+    step.set_scores(0, [1.0] * 65)  # max_len + 1
     step.close()
     ctx.close()
 

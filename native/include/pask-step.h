@@ -8,7 +8,8 @@
 // (cap + ceil(ratio x n_gen)), evicts in one batch down to target - the layer's hysteresis, by
 // cell index.
 // Selection is by class quota (PASK), top-k score with a protected set (H2O, TOVA, SnapKV,
-// PyramidKV) or sinks + recent window (StreamingLLM); pask_step_select() exposes the same
+// PyramidKV; the scored query-agnostic methods, with scores set once) or sinks + recent window
+// (StreamingLLM); pask_step_select() exposes the same
 // selection on explicit arrays, so it can be checked against the Python reference rules.
 // Every function returns a negative PASK_KV_E* code (pask-kv.h) on bad input and never aborts.
 #pragma once
@@ -54,7 +55,7 @@ struct pask_step_rule {
     double  protect_ratio;     // plus floor(capacity * ratio) newest (H2O's recent half)
     int32_t protect_from;      // positions >= protect_from are protected (-1: none)
     int32_t pool_kernel;       // average-pool scores along positions (<= 1: raw scores)
-    // PASK_RULE_SINK_RECENT
+    // PASK_RULE_SINK_RECENT (and PASK_RULE_TOPK: positions < n_sink are protected)
     int32_t n_sink;
     // PASK_RULE_QUOTA
     int32_t  recent;           // newest positions kept first (at least every generated token and,
@@ -78,6 +79,11 @@ LLAMA_API void pask_step_free(struct pask_step * st);
 // The priority of every prompt position (n == prompt_len) for rules with order PASK_ORDER_PRIORITY;
 // generated positions rank as PASK_ORDER_SPAN_HEAD. Returns 0 or a negative code.
 LLAMA_API int32_t pask_step_set_priority(struct pask_step * st, const double * priority, int32_t n);
+
+// Layer il's score of each position < n (the rest 0), ranked by its PASK_RULE_TOPK rule: scores taken
+// once before the prefill (a scored method's scoring pass), for a step without a probe statistic.
+// n <= max_len + 1. Returns 0 or a negative code.
+LLAMA_API int32_t pask_step_set_scores(struct pask_step * st, int32_t il, const double * scores, int32_t n);
 
 // Record trace events (step, layer, position, rule) for pask_step_take_events (default off).
 LLAMA_API void pask_step_set_trace(struct pask_step * st, int32_t on);

@@ -360,6 +360,9 @@ void select_keep(const view & v, const held_set & h, int32_t cap, std::vector<ui
                     protect[i] |= h.pos[i] >= r.protect_from;
                 }
             }
+            for (int32_t i = 0; i < n; ++i) {
+                protect[i] |= h.pos[i] < r.n_sink;  // attention sinks (a scored method's first positions)
+            }
             std::vector<double> score;
             if (h.score.empty()) {
                 score.assign(n, 0.0);
@@ -400,7 +403,7 @@ struct pask_step {
     std::vector<int32_t> totals;    // [PASK_STEP_MAX_CLASSES]
     pask_attn_probe * probe = nullptr;
     int32_t score_stat = -1;
-    std::vector<std::vector<double>> scores;  // [layer][position]; empty without a probe
+    std::vector<std::vector<double>> scores;  // [layer][position]; empty without a probe or set scores
     std::vector<double> priority;  // [position] for PASK_ORDER_PRIORITY rules (pask_step_set_priority)
     bool trace = false;
     std::deque<std::array<int32_t, 4>> events;
@@ -599,6 +602,28 @@ int32_t pask_step_set_priority(struct pask_step * st, const double * priority, i
         }
     }
     st->priority.assign(priority, priority + n);
+    return 0;
+}
+
+int32_t pask_step_set_scores(struct pask_step * st, int32_t il, const double * scores, int32_t n) {
+    if (!st || (n > 0 && !scores) || n < 0 || n > st->max_len + 1) {
+        return fail(PASK_KV_E_ARG, "pask_step_set_scores: need a step and at most max_len + 1 scores");
+    }
+    if (il < 0 || il >= (int32_t) st->rules.size()) {
+        return fail(PASK_KV_E_LAYER, "layer " + std::to_string(il) + " out of range");
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (!std::isfinite(scores[i])) {
+            return fail(PASK_KV_E_ARG, "pask_step_set_scores: score of position " + std::to_string(i) +
+                                           " is not finite");
+        }
+    }
+    if (st->scores.empty()) {
+        st->scores.assign(st->rules.size(), std::vector<double>(st->max_len + 1, 0.0));
+    }
+    auto & s = st->scores[il];
+    std::fill(s.begin(), s.end(), 0.0);
+    std::copy(scores, scores + n, s.begin());
     return 0;
 }
 

@@ -87,6 +87,8 @@ class NativeEvictor(Evictor):
         try:
             if mplan.priority is not None:
                 self.step.set_priority(mplan.priority)
+            for il, layer_scores in enumerate(mplan.step_scores or ()):
+                self.step.set_scores(il, layer_scores)
             self.step.set_trace(trace.enabled)
         except BaseException:
             self.step.close()

@@ -98,6 +98,12 @@ class MethodPlan:
         """``select`` of layer ``layer`` as data for the native step (same keep set for the same view)."""
         return self.method.step_rule(layer, n_layer, prompt_len)
 
+    @property
+    def step_scores(self) -> tuple[np.ndarray, ...] | None:
+        """Per layer, one score per prompt position that the native step's ``topk`` rule ranks by, set
+        once (None: the step collects its own, or ranks without scores)."""
+        return None
+
 
 class Method:
     """Base class: a uniform capacity of ``budget`` x visible tokens in every layer.

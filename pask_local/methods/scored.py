@@ -61,23 +61,29 @@ class ScoredPlan(MethodPlan):
         protect = (pos < m.n_sink) | (pos >= self.obs_start)
         if self.scores is None:  # no scores: oldest first goes
             worth = pos.astype(np.float64)
-        else:
+        else:  # pooled along every held position; one past the scored ones scores 0
             layer = self.scores[view.layer]
             inside = pos < len(layer)
-            worth = np.zeros(len(pos))
-            worth[inside] = pool_scores(pos[inside], layer[pos[inside]], m.kernel) if self.pooled else \
-                layer[pos[inside]]
+            raw = np.zeros(len(pos))
+            raw[inside] = layer[pos[inside]]
+            worth = pool_scores(pos, raw, m.kernel) if self.pooled else raw
         return top_k_positions(pos, worth, capacity, protect=protect)
 
     def step_rule(self, layer: int, n_layer: int, prompt_len: int) -> StepRule:
-        raise RuntimeError(f"{self.method.name} evicts through the reference rule (native_step = False)")
+        """``select`` as a native ``topk`` rule over ``step_scores`` (no scores: all tie, the newest persist)."""
+        m: ScoredMethod = self.method  # type: ignore[assignment]
+        return StepRule("topk", protect_from=self.obs_start, pool_kernel=m.kernel if self.pooled else 1,
+                        n_sink=m.n_sink)
+
+    @property
+    def step_scores(self) -> tuple[np.ndarray, ...] | None:
+        return self.scores
 
 
 class ScoredMethod(Method):
     """Base class: ``prompt_scorer`` names the scoring pass; selection is ``ScoredPlan``'s."""
 
     prefill_mode = PrefillMode.PLANNED
-    native_step = False          # per-layer prompt scores have no native step rule
     prompt_scorer = ""
     n_sink = 4
     kernel = 1
