@@ -383,6 +383,43 @@ def test_a_shared_whole_prefill_compresses_as_a_prefill_of_its_own(qwen05_model)
         assert float(np.abs(rows_s - rows_o).max()) < 0.05
 
 
+def test_a_policy_with_group_shares_sizes_slots_by_them_and_its_prefix_restores(qwen05_model, tmp_path):
+    """A calibrated policy with group curves keeps more of the prompt in some layer groups (0.485 and
+    0.505 of it here, at budget 0.33): a pool sizes each layer by its group's share (the mean still
+    the budget), so a ~3k-token prefix compressed with it restores into a one-slot pool and the
+    request is not clamped (sized by the budget alone, the restore did not fit)."""
+    from pask_local.engine import Engine, EngineConfig, make_method
+    from pask_local.engine.pool import slot_capacities
+    from pask_local.eval.data import load_bundled
+    from pask_local.policy.groups import GroupCurves
+    from pask_local.policy.handwritten import handwritten_policy
+    from pask_local.prefix.build import compress, pin, run_from_prefix
+    from pask_local.schema.tools import as_tools
+
+    n_layer = qwen05_model.n_layer
+    curves = GroupCurves((0.05, 0.1, 0.2, 0.35, 0.5), ((0.0,) * 5, (0.0,) * 5, (0.1, 0.08, 0.05, 0.02, 0.01),
+                                                      (0.5, 0.3, 0.15, 0.05, 0.01)), 0.5)
+    path = tmp_path / "policy.json"
+    dataclasses.replace(handwritten_policy(n_layer), group_budget=curves).save(path)
+    method = make_method("pask", qwen05_model, path)
+    keep = method.layer_keep(0.33, n_layer)
+    assert keep[0] < 0.2 < 0.45 < keep[-1] and abs(sum(keep) / n_layer - 0.33) < 0.01
+    caps = slot_capacities(qwen05_model, method, 0.33, 8192, 64)
+    assert caps[-1] > 2 * caps[0] and sum(caps) <= 1.05 * sum(slot_capacities(qwen05_model, make_method(
+        "pask-prior", qwen05_model), 0.33, 8192, 64))
+
+    cases = load_bundled("simple_python")[:40]
+    tools = as_tools(list({f["name"]: f for c in cases for f in c.functions}.values()))
+    engine = Engine(qwen05_model, method, EngineConfig(budget=0.33, max_tokens=32, style="native"))
+    c = compress(engine, tools, [])
+    assert c.header.n_prefix > 2500
+    pinned = pin("p", c.header, c.state, qwen05_model, "pask", 0.33, "f16")
+    prepared = engine.prepare([cases[0].messages[-1]], tools, "required")
+    res = run_from_prefix(engine, prepared, pinned)
+    assert res.stats["prefix_source"] == "prefix" and res.stats["slot_clamped_layers"] == 0
+    assert res.stats["max_over_budget_entries"] == 0 and res.parsed is not None
+
+
 @pytest.mark.slow
 def test_compressed_prefix_is_restored_and_answers(qwen05_model, prefix_file):
     from pask_local.engine.factory import DEFAULT_METHOD

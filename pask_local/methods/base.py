@@ -155,6 +155,12 @@ class Method:
         and the method's configuration; writes nothing."""
         return MethodPlan(self, tuple(self.capacities(budget, classes, n_layer)))
 
+    def layer_keep(self, budget: float, n_layer: int) -> list[float] | None:
+        """Each layer's share of a prompt it keeps at ``budget``, known before any prompt, where the
+        layers' shares differ (their mean the budget); None: every layer keeps the budget. A pool
+        sizes a slot's layers by it (``engine.pool.slot_capacities``)."""
+        return None
+
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         """KV cells each layer may hold for a sequence whose tokens have these classes."""
         cap = max(1, math.ceil(budget * len(classes)))

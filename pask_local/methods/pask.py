@@ -44,6 +44,7 @@ import numpy as np
 
 from ..classes import PROTECTION_ORDER, StructuralClass, class_index
 from ..policy import Policy, compile_policy
+from ..policy.groups import group_keep
 from ..tagging.relevance import tool_relevance
 from .base import LayerView, Method, MethodPlan, PrefillMode, StepRule
 from .scored import KVzipStyle, prefix_end
@@ -228,6 +229,19 @@ class PASK(Method):
 
     def capacities(self, budget: float, classes: np.ndarray, n_layer: int) -> list[int]:
         return list(self.bind(budget, classes, n_layer).capacities)
+
+    def layer_keep(self, budget: float, n_layer: int) -> list[float] | None:
+        """A policy with measured group curves (``group_budget``) gives each layer group its own share
+        of the budget (``policy.groups.group_keep``, as ``compile_policy`` does for a prompt)."""
+        pol = self.policy
+        if pol.group_budget is None or pol.n_layer != n_layer or not 0.0 < budget <= 1.0:
+            return None
+        shares = group_keep(pol.group_budget, budget, [len(layers) for layers in pol.groups])
+        keep = [budget] * n_layer
+        for g, layers in enumerate(pol.groups):
+            for il in layers:
+                keep[il] = shares[g]
+        return keep
 
     def select(self, view: LayerView, capacity: int) -> np.ndarray:
         raise RuntimeError("PASK selects through its plan: method.bind(budget, classes, n_layer).select(...)")
