@@ -3,7 +3,8 @@
 ``SlotPool`` owns one context whose KV memory is fixed when it starts: ``slots`` sequences, each
 its own KV stream, every layer of a stream a fixed number of cells (Full KV: the slot length; a
 compressed method: budget x slot length + one prefill chunk, rounded up to 256 cells, sliding-window
-layers at most their window + a chunk). ``SlotPool.layout_for(kv_mem=...)`` derives the slot count
+layers at most their window + a chunk; a policy whose layer groups keep different shares of the
+budget sizes each layer by its group's share, ``Method.layer_keep``). ``SlotPool.layout_for(kv_mem=...)`` derives the slot count
 from a memory size, so that at equal memory a budget of 0.33 gets about three times the slots of Full KV.
 
 One queue, one loop (as llama.cpp server's ``update_slots``). ``submit`` puts a request in the pool's
