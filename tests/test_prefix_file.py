@@ -387,7 +387,8 @@ def test_a_policy_with_group_shares_sizes_slots_by_them_and_its_prefix_restores(
     """A calibrated policy with group curves keeps more of the prompt in some layer groups (0.485 and
     0.505 of it here, at budget 0.33): a pool sizes each layer by its group's share (the mean still
     the budget), so a ~3k-token prefix compressed with it restores into a one-slot pool and the
-    request is not clamped (sized by the budget alone, the restore did not fit)."""
+    request is not clamped (sized by the budget alone, 12 of the 24 layers were clamped; on the
+    1.5B model's 8k catalogs the restore itself did not fit)."""
     from pask_local.engine import Engine, EngineConfig, make_method
     from pask_local.engine.pool import slot_capacities
     from pask_local.eval.data import load_bundled
