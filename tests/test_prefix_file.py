@@ -386,8 +386,8 @@ def test_a_shared_whole_prefill_compresses_as_a_prefill_of_its_own(qwen05_model)
 def test_a_policy_with_group_shares_sizes_slots_by_them_and_its_prefix_restores(qwen05_model, tmp_path):
     """A calibrated policy with group curves keeps more of the prompt in some layer groups (0.485 and
     0.505 of it here, at budget 0.33): a pool sizes each layer by its group's share (the mean still
-    the budget), so a ~3k-token prefix compressed with it restores into a one-slot pool and the
-    request is not clamped (sized by the budget alone, 12 of the 24 layers were clamped; on the
+    the budget), so a ~3k-token prefix compressed with it (read in chunks or whole) restores into a
+    one-slot pool and the request is not clamped (sized by the budget alone, 12 of the 24 layers were clamped; on the
     1.5B model's 8k catalogs the restore itself did not fit)."""
     from pask_local.engine import Engine, EngineConfig, make_method
     from pask_local.engine.pool import slot_capacities
@@ -414,6 +414,8 @@ def test_a_policy_with_group_shares_sizes_slots_by_them_and_its_prefix_restores(
     engine = Engine(qwen05_model, method, EngineConfig(budget=0.33, max_tokens=32, style="native"))
     c = compress(engine, tools, [])
     assert c.header.n_prefix > 2500
+    # prefilled whole first, the smallest layer's slot holds the whole prefix too
+    assert compress(engine, tools, [], whole=True).header.kept == c.header.kept
     pinned = pin("p", c.header, c.state, qwen05_model, "pask", 0.33, "f16")
     prepared = engine.prepare([cases[0].messages[-1]], tools, "required")
     res = run_from_prefix(engine, prepared, pinned)

@@ -85,13 +85,15 @@ class PoolLayout:
 def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
     """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc): the engine's
     sizing rule (``kv_stream.layer_cells``) for a slot_len-token stream whose every layer holds
-    budget x slot_len, or its own share where the method's layers keep different shares
-    (``Method.layer_keep``: a calibrated policy's layer groups) (Full KV: all of it, sliding-window
-    layers included)."""
+    budget x slot_len, or its own share where the layers of a method that compresses while it reads
+    keep different shares (``Method.layer_keep``: a calibrated policy's layer groups) (Full KV: all
+    of it, sliding-window layers included)."""
     if method.keeps_all:
         return layer_cells(model.n_layer, None, slot_len, 0, chunk).cells
     swa, window = swa_layers(model)
-    keep = method.layer_keep(budget, model.n_layer) or [budget] * model.n_layer
+    # a whole-prompt method's layers each hold the whole prompt until it compresses: sized by the budget
+    keep = (None if method.compress_after_prefill else method.layer_keep(budget, model.n_layer)) \
+        or [budget] * model.n_layer
     return layer_cells(model.n_layer, [math.ceil(k * slot_len) for k in keep], slot_len, 0, chunk,
                        swa, window).cells
 

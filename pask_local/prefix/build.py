@@ -234,9 +234,10 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
 
 def _slot_len(engine: Engine, n_prompt: int, n_seq: int) -> int:
     """A one-slot pool's length for ``n_seq`` positions (a whole-prompt method's slot holds the whole
-    prompt before it compresses)."""
+    prompt before it compresses, in its smallest layer too: ``Method.layer_keep``)."""
     if holds_whole_prompt(engine.method, engine.cfg):
-        return max(n_seq, math.ceil((n_prompt + 1) / engine.cfg.budget))
+        keep = engine.method.layer_keep(engine.cfg.budget, engine.model.n_layer) or [engine.cfg.budget]
+        return max(n_seq, math.ceil((n_prompt + 1) / min(keep)))
     return n_seq
 
 
