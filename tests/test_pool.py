@@ -373,6 +373,8 @@ def test_a_scoring_pass_runs_beside_the_decoding_slots(model, monkeypatch):
         return out
 
     monkeypatch.setitem(prescore.SCORERS, "key-norm", watched)
+    # an earlier test's pass over the same prefix would be served from the memo, without a pass to watch
+    monkeypatch.setattr(prescore, "_MEMO", type(prescore._MEMO)())
     lay = SlotPool.layout_for(model, make_method("pask-prior", model), 0.33, 1024, slots=2)
     pool = SlotPool(model, lay, prefix_cache=False)
     try:
