@@ -67,7 +67,7 @@ from .run import scoring_end
 from .step_plan import SlotState, StepPlan, plan_step
 
 __all__ = ["REUSE_MODES", "Pinned", "PoolClosed", "PoolLayout", "QueueFull", "RequestCancelled", "SlotPool", "common_prefix",
-           "slot_capacities"]
+           "slot_capacities", "slot_keep"]
 
 
 @dataclass
@@ -82,18 +82,23 @@ class PoolLayout:
     kv_type: str = "f16"       # K/V element type (quantized: flash attention on)
 
 
+def slot_keep(model: Model, method: Method, budget: float) -> list[float]:
+    """Each layer's share of a slot's length that its cells are sized by: the budget, or the layer's
+    own share where the layers of a method that compresses while it reads keep different shares
+    (``Method.layer_keep``: a calibrated policy's layer groups). A whole-prompt method's layers each
+    hold the whole prompt until it compresses: sized by the budget."""
+    keep = None if method.compress_after_prefill else method.layer_keep(budget, model.n_layer)
+    return keep or [budget] * model.n_layer
+
+
 def slot_capacities(model: Model, method: Method, budget: float, slot_len: int, chunk: int) -> list[int]:
     """Cells per layer of one slot for ``method`` at ``budget`` (see the module doc): the engine's
-    sizing rule (``kv_stream.layer_cells``) for a slot_len-token stream whose every layer holds
-    budget x slot_len, or its own share where the layers of a method that compresses while it reads
-    keep different shares (``Method.layer_keep``: a calibrated policy's layer groups) (Full KV: all
-    of it, sliding-window layers included)."""
+    sizing rule (``kv_stream.layer_cells``) for a slot_len-token stream whose every layer holds its
+    ``slot_keep`` share of slot_len (Full KV: all of it, sliding-window layers included)."""
     if method.keeps_all:
         return layer_cells(model.n_layer, None, slot_len, 0, chunk).cells
     swa, window = swa_layers(model)
-    # a whole-prompt method's layers each hold the whole prompt until it compresses: sized by the budget
-    keep = (None if method.compress_after_prefill else method.layer_keep(budget, model.n_layer)) \
-        or [budget] * model.n_layer
+    keep = slot_keep(model, method, budget)
     return layer_cells(model.n_layer, [math.ceil(k * slot_len) for k in keep], slot_len, 0, chunk,
                        swa, window).cells
 

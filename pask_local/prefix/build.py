@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.core import Engine, Prepared, holds_whole_prompt
-from ..engine.pool import Pinned, SlotPool
+from ..engine.pool import Pinned, SlotPool, slot_keep
 from ..errors import PaskError
 from ..grammar.sampling import GREEDY
 from ..llm import Context, Model
@@ -234,9 +234,9 @@ def run_from_prefix(engine: Engine, prepared: Prepared, pinned: Pinned, trace: s
 
 def _slot_len(engine: Engine, n_prompt: int, n_seq: int) -> int:
     """A one-slot pool's length for ``n_seq`` positions (a whole-prompt method's slot holds the whole
-    prompt before it compresses, in its smallest layer too: ``Method.layer_keep``)."""
+    prompt before it compresses, in its smallest layer too: ``pool.slot_keep``)."""
     if holds_whole_prompt(engine.method, engine.cfg):
-        keep = engine.method.layer_keep(engine.cfg.budget, engine.model.n_layer) or [engine.cfg.budget]
+        keep = slot_keep(engine.model, engine.method, engine.cfg.budget)
         return max(n_seq, math.ceil((n_prompt + 1) / min(keep)))
     return n_seq
 
