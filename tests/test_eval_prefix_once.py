@@ -139,8 +139,8 @@ def test_a_planned_method_per_query_reads_each_catalog_once_under_whole_prefill(
     """``--whole-prefill``: pask-prior per query on a catalog group restores the group's prefix prefilled
     whole (once, for both budgets), reads its own question, then drops what its plan, made on the whole
     prompt, does not keep: the whole prompt is held before the drop, the budget after it. A method with
-    a scoring pass (knorm) reads each prompt itself."""
-    from pask_local.eval.generator import GeneratorSpec, make_generator
+    a scoring pass (knorm) reads each prompt itself, with no whole-prefill holder built for it."""
+    from pask_local.eval.generator import EngineGenerator, GeneratorSpec, make_generator
     from pask_local.eval.prefix_once import SharedCatalogGenerator
     from pask_local.prefix.whole import WholePrefills
 
@@ -157,6 +157,7 @@ def test_a_planned_method_per_query_reads_each_catalog_once_under_whole_prefill(
         for g in gens:
             g.close()
     assert isinstance(gens[0], SharedCatalogGenerator) and held.prefills == 1
+    assert type(gens[2]) is EngineGenerator
     n = outs[0].extra["prefix_tokens"]
     assert n > 700 and outs[0].n_reused == outs[1].n_reused == at_02.n_reused == n
     assert at_02.extra["prefix_prefill_shared"] and at_02.extra["prefix_prefill_s"] == 0

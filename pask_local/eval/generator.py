@@ -108,25 +108,24 @@ def make_generator(method: str, spec: GeneratorSpec) -> Generator:
         return PrefixOnceGenerator(method.removeprefix(ONCE), spec)
     if method == "full":
         return FullKVGenerator(spec)
-    if spec.shared_catalog and (_prefills_whole(method) or _plans_after_whole_prefill(method, spec)):
+    if spec.shared_catalog and _shares_catalog_prefill(method, spec):
         from .prefix_once import SharedCatalogGenerator
 
         return SharedCatalogGenerator(method, spec)
     return EngineGenerator(method, spec)
 
 
-def _prefills_whole(method: str) -> bool:
+def _shares_catalog_prefill(method: str, spec: GeneratorSpec) -> bool:
+    """Whether ``method`` can start each request of a catalog group from the group's prefix prefilled
+    whole: a whole-prompt method, or a planned one under ``--whole-prefill`` (it reads the prompt whole
+    and then drops what its plan does not keep). A method with a scoring pass cannot: the pass would
+    read a restored prefix as already chosen (what it holds ranks first), so it reads each prompt itself."""
     from ..methods.registry import REGISTRY, PrefillMode
 
-    return REGISTRY[method].prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
-
-
-def _plans_after_whole_prefill(method: str, spec: GeneratorSpec) -> bool:
-    """A planned method under ``--whole-prefill``: it reads the prompt whole and then drops what its plan
-    does not keep, so a catalog's prefix can be prefilled once for it too."""
-    from ..methods.registry import REGISTRY, PrefillMode
-
-    return spec.whole_prefill and REGISTRY[method].prefill_mode == PrefillMode.PLANNED
+    m = REGISTRY[method]
+    whole = m.prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
+    planned = spec.whole_prefill and m.prefill_mode == PrefillMode.PLANNED
+    return (whole or planned) and not m.scored
 
 
 def _failed(error: str, t0: float, n_prompt: int = 0) -> GenerationOutput:

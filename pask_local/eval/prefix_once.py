@@ -146,9 +146,6 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
         self.holder = Engine(self.model, self.engine.method, dataclasses.replace(self.engine.cfg, budget=1.0))
         self._prefixes = {}
         self.whole_prefills = _whole_prefills(spec)
-        # a scoring pass reads a restored prefix as already chosen (what it holds ranks first): a
-        # method with one reads each prompt itself
-        self.shares = not self.engine.method.prompt_scorer
 
     def _build(self, tools: list[Any], head: list[Any], examples: Any, parallel: bool) -> Prefix:
         whole, paid = self.whole_prefills.get(self.holder, tools, head, examples, parallel)
@@ -156,7 +153,7 @@ class SharedCatalogGenerator(_FromPrefixes, EngineGenerator):
                 whole.seconds if paid else 0.0, {"prefix_prefill_shared": not paid})
 
     def generate(self, case: Case) -> GenerationOutput:
-        return super().generate(case) if case.tools is None or not self.shares else self._from_prefix(case)
+        return super().generate(case) if case.tools is None else self._from_prefix(case)
 
 
 def _whole_prefills(spec: GeneratorSpec) -> Any:

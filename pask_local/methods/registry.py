@@ -65,6 +65,11 @@ class MethodEntry:
         return self.variant is not None and self.variant.policy == "model"
 
     @property
+    def scored(self) -> bool:
+        """Runs a scoring pass over the prompt before its prefill (``Method.prompt_scorer``)."""
+        return bool(self.method_class is not None and self.method_class.prompt_scorer)
+
+    @property
     def policy_label(self) -> str:
         """What `pask-local methods` shows in its policy column."""
         if self.variant is None:
