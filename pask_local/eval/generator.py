@@ -115,6 +115,12 @@ def make_generator(method: str, spec: GeneratorSpec) -> Generator:
     return EngineGenerator(method, spec)
 
 
+def _prefills_whole(method: str) -> bool:
+    from ..methods.registry import REGISTRY, PrefillMode
+
+    return REGISTRY[method].prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
+
+
 def _shares_catalog_prefill(method: str, spec: GeneratorSpec) -> bool:
     """Whether ``method`` can start each request of a catalog group from the group's prefix prefilled
     whole: a whole-prompt method, or a planned one under ``--whole-prefill`` (it reads the prompt whole
@@ -123,9 +129,8 @@ def _shares_catalog_prefill(method: str, spec: GeneratorSpec) -> bool:
     from ..methods.registry import REGISTRY, PrefillMode
 
     m = REGISTRY[method]
-    whole = m.prefill_mode == PrefillMode.WHOLE_THEN_COMPRESS
     planned = spec.whole_prefill and m.prefill_mode == PrefillMode.PLANNED
-    return (whole or planned) and not m.scored
+    return (_prefills_whole(method) or planned) and not m.scored
 
 
 def _failed(error: str, t0: float, n_prompt: int = 0) -> GenerationOutput:
