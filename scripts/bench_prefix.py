@@ -33,9 +33,11 @@ from pask_local.prefix.build import compress, open_file, pin, run_from_prefix, s
 from pask_local.schema.tools import as_tools
 
 
-def catalog_case(model: Model, tokens: int) -> Any:
+def catalog_case(model: Model, tokens: int, examples: bool = False) -> Any:
+    """The first eval-split simple_python case behind a catalog of about ``tokens`` prefix tokens, as
+    counted for a prompt with or without the in-prompt examples."""
     cases = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
-    with_catalog = apply_catalogs(cases[:1], cases, tokens, prefix_counter(model, "native", False),
+    with_catalog = apply_catalogs(cases[:1], cases, tokens, prefix_counter(model, "native", examples),
                                   n_ctx_train=model.n_ctx_train)
     return with_catalog[0]
 

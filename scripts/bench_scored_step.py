@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench_prefix import catalog_case  # (scripts/ is on sys.path when run as a script)
+
 from pask_local.engine import Engine, EngineConfig, make_method
-from pask_local.eval.catalog import apply_catalogs
-from pask_local.eval.data import load_bundled
-from pask_local.eval.prompting import make_task, prefix_counter
-from pask_local.eval.split import split_of
+from pask_local.eval.prompting import make_task
 from pask_local.llm import Model
 from pask_local.models import named_model_path
 
@@ -34,9 +33,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     model = Model(named_model_path(args.model))
-    pool = [c for c in load_bundled("simple_python") if split_of(c.id) == "eval"]
-    case = apply_catalogs(pool[:1], pool, args.catalog_tokens, prefix_counter(model, "native", True))[0]
-    task = make_task(case, True)
+    task = make_task(catalog_case(model, args.catalog_tokens, examples=True), True)
     out = {}
     for method in args.methods.split(","):
         for native in (True, False):
